@@ -1,0 +1,166 @@
+"""The ``cardcage`` command: ``plugins``, ``explain``, ``env``.
+
+A bad flag or configuration prints the message on stderr and exits with status 2, without a
+traceback. ``--json`` prints one JSON document on stdout and nothing else there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cardcage.errors import MisconfigurationError, PluginError
+
+EXIT_USAGE = 2
+Command = Callable[[argparse.Namespace], int]
+
+
+def _int_or_ids(value: str) -> int | str:
+    """``"2"`` → 2 (a count), ``"1,3"`` or ``"3,"`` → the string (ids), as Lightning's CLI did."""
+    text = value.strip()
+    if "," in text:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        return text  # validation names the flag and value
+
+
+def _precision(value: str) -> int | str:
+    return int(value) if value.isdigit() else value
+
+
+def add_trainer_flags(parser: argparse.ArgumentParser) -> None:
+    """The Trainer flags, spelled the way DESIGN.md's command line spells them."""
+    group = parser.add_argument_group("trainer flags")
+    group.add_argument(
+        "--gpus",
+        type=_int_or_ids,
+        default=None,
+        help="GPU count (2), all (-1), or ids ('1,3' or '3,')",
+    )
+    group.add_argument(
+        "--tpu-cores", type=_int_or_ids, default=None, help="1, 8, or one core as 'k,'"
+    )
+    group.add_argument("--num-processes", type=int, default=1)
+    group.add_argument("--num-nodes", type=int, default=1)
+    group.add_argument(
+        "--distributed-backend",
+        "--backend",
+        dest="distributed_backend",
+        default=None,
+        help="a backend name or alias; default: the rules decide",
+    )
+    group.add_argument("--auto-select-gpus", action="store_true")
+    group.add_argument("--precision", type=_precision, default=32, help="32, 16, 64 or bf16")
+    group.add_argument("--max-epochs", type=int, default=1)
+    group.add_argument("--max-steps", type=int, default=None)
+
+
+def trainer_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The Trainer keyword arguments held by ``args``."""
+    names = (
+        "gpus",
+        "tpu_cores",
+        "num_processes",
+        "num_nodes",
+        "distributed_backend",
+        "auto_select_gpus",
+        "precision",
+        "max_epochs",
+        "max_steps",
+    )
+    return {name: getattr(args, name) for name in names}
+
+
+def _print_json(data: object) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from cardcage.report import backend_rows
+
+    rows, records = backend_rows(os.environ)
+    if args.json:
+        _print_json({"backends": rows, "plugins": records})
+        return 0
+    print("backends:")
+    for row in rows:
+        aliases = f" (aliases: {', '.join(row['aliases'])})" if row["aliases"] else ""
+        dist = f"{row['distribution']} {row['version']}" if row["distribution"] else row["plugin"]
+        print(f"  {row['name']}{aliases}  [{dist}]  {row['status']}")
+    others = [r for r in records if r["status"] != "loaded"]
+    if others:
+        print("plugins not loaded:")
+        for record in others:
+            error = f": {record['error']}" if record["error"] else ""
+            dist = (
+                f" [{record['distribution']} {record['version']}]" if record["distribution"] else ""
+            )
+            print(f"  {record['name']}{dist}  {record['status']}{error}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from cardcage.selection import select
+
+    selection = select(**trainer_flags(args))
+    if args.json:
+        _print_json(selection.as_dict())
+    else:
+        print(selection.explain())
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from cardcage.report import environment_report
+
+    report = environment_report(os.environ)
+    if args.json:
+        _print_json(report)
+        return 0
+    for section, values in report.items():
+        print(f"{section}:")
+        for key, value in values.items():
+            print(f"  {key}: {value}")
+    return 0
+
+
+COMMANDS: dict[str, tuple[Command, str]] = {
+    "plugins": (cmd_plugins, "list backends, their plugins and whether they can run here"),
+    "explain": (cmd_explain, "show which backend the flags select here, and why"),
+    "env": (cmd_env, "versions, devices and cluster environment, for bug reports"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cardcage", description="Train PyTorch models on whichever accelerator fits."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (function, text) in COMMANDS.items():
+        command = sub.add_parser(name, help=text, description=text)
+        command.set_defaults(function=function)
+        if name in ("plugins", "explain", "env"):
+            command.add_argument(
+                "--json", action="store_true", help="print one JSON document on stdout"
+            )
+        if name == "explain":
+            add_trainer_flags(command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.function(args))
+    except (MisconfigurationError, PluginError) as error:
+        print(f"cardcage: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,164 @@
+"""Every Trainer flag, validated in one place before anything is started."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from cardcage.errors import MisconfigurationError
+
+PRECISIONS: tuple[object, ...] = (16, 32, 64, "bf16")
+LOG_GPU_MEMORY = (None, "all", "min_max")
+GPUS_OVERRIDES = ("CARDCAGE_GPUS", "PL_TRAINER_GPUS")
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The Trainer flags that decide where and how training runs (DESIGN.md's list)."""
+
+    gpus: Any = None
+    tpu_cores: Any = None
+    num_processes: int = 1
+    num_nodes: int = 1
+    distributed_backend: str | None = None
+    auto_select_gpus: bool = False
+    log_gpu_memory: str | None = None
+    sync_batchnorm: bool = False
+    benchmark: bool = False
+    replace_sampler_ddp: bool = True
+    precision: int | str = 32
+    max_epochs: int | None = 1
+    max_steps: int | None = None
+    default_root_dir: str | None = None
+    resume_from_checkpoint: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+FLAG_NAMES = tuple(f.name for f in fields(Flags))
+
+
+def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "a positive int or None" if allow_none else "a positive int"
+        raise MisconfigurationError(f"{name}={value!r} is not valid: {name} must be {what}.")
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise MisconfigurationError(f"{name}={value!r} is not valid: {name} must be True or False.")
+
+
+def _path(name: str, value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise MisconfigurationError(
+            f"{name}={value!r} is not valid: {name} must be a path (str or os.PathLike)."
+        )
+    return os.fspath(value)  # type: ignore[return-value]
+
+
+def normalize_precision(value: object) -> int | str:
+    """``16``/``"16"``/``"16-mixed"`` → 16, ``32``/``"32"`` → 32, ``"bf16"`` stays."""
+    aliases: dict[object, int | str] = {
+        16: 16,
+        "16": 16,
+        "16-mixed": 16,
+        32: 32,
+        "32": 32,
+        "32-true": 32,
+        64: 64,
+        "64": 64,
+        "64-true": 64,
+        "bf16": "bf16",
+        "bf16-mixed": "bf16",
+    }
+    if isinstance(value, bool) or value not in aliases:
+        raise MisconfigurationError(
+            f"precision={value!r} is not supported. Use 32 (full), 16 (float16 autocast "
+            "with a grad scaler, CUDA), 'bf16' (bfloat16 autocast), or 64 (double)."
+        )
+    return aliases[value]
+
+
+def gpus_override(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(variable, value)`` of the environment override of ``gpus``, if one is set."""
+    for name in GPUS_OVERRIDES:
+        value = env.get(name)
+        if value is not None and value.strip() != "":
+            return name, value
+    return None
+
+
+def validate_flags(**kwargs: Any) -> Flags:
+    """Check every flag's type and range; unknown names get a did-you-mean.
+
+    Device-dependent checks (GPU ids against the device count) happen in selection.
+    """
+    unknown = [k for k in kwargs if k not in FLAG_NAMES]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, FLAG_NAMES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise MisconfigurationError(
+            f"{name}={kwargs[name]!r} is not a cardcage flag.{hint} Known flags: "
+            f"{', '.join(FLAG_NAMES)}."
+        )
+    flags = Flags(**kwargs)
+    _positive_int("num_processes", flags.num_processes)
+    _positive_int("num_nodes", flags.num_nodes)
+    _positive_int("max_epochs", flags.max_epochs, allow_none=True)
+    _positive_int("max_steps", flags.max_steps, allow_none=True)
+    for name in ("auto_select_gpus", "sync_batchnorm", "benchmark", "replace_sampler_ddp"):
+        _bool(name, getattr(flags, name))
+    if flags.distributed_backend is not None and (
+        not isinstance(flags.distributed_backend, str) or not flags.distributed_backend.strip()
+    ):
+        raise MisconfigurationError(
+            f"distributed_backend={flags.distributed_backend!r} is not a backend name. Use a "
+            "name such as 'ddp', 'ddp_spawn' or 'dp', or None to let cardcage choose."
+        )
+    if flags.log_gpu_memory not in LOG_GPU_MEMORY:
+        raise MisconfigurationError(
+            f"log_gpu_memory={flags.log_gpu_memory!r} is not valid. Use None, 'all' or 'min_max'."
+        )
+    if flags.tpu_cores is not None and flags.gpus not in (None, 0):
+        raise MisconfigurationError(
+            f"tpu_cores={flags.tpu_cores!r} and gpus={flags.gpus!r} are both set. Train on "
+            "TPU cores or on GPUs: unset one of them."
+        )
+    if flags.auto_select_gpus and flags.gpus is not None and not isinstance(flags.gpus, int):
+        raise MisconfigurationError(
+            f"auto_select_gpus=True needs gpus to be a count, but gpus={flags.gpus!r} names "
+            "GPUs already. Set gpus=N to let cardcage pick N GPUs, or auto_select_gpus=False."
+        )
+    resume = _path("resume_from_checkpoint", flags.resume_from_checkpoint)
+    if resume is not None and not os.path.isfile(resume):
+        raise MisconfigurationError(
+            f"resume_from_checkpoint={resume!r} does not exist. Give the path of a "
+            "checkpoint written by trainer.save_checkpoint, or None to start afresh."
+        )
+    backend = flags.distributed_backend
+    return Flags(
+        **{
+            **flags.as_dict(),
+            "distributed_backend": backend.strip().lower() if backend else None,
+            "precision": normalize_precision(flags.precision),
+            "default_root_dir": _path("default_root_dir", flags.default_root_dir),
+            "resume_from_checkpoint": resume,
+            "gpus": list(flags.gpus) if isinstance(flags.gpus, tuple) else flags.gpus,
+        }
+    )
+
+
+def did_you_mean(name: str, choices: Sequence[str]) -> str:
+    """`` Did you mean 'x'?`` or an empty string."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""

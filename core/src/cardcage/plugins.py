@@ -1,0 +1,298 @@
+"""Finding, loading and registering plugins (pytest's behaviour at tox's size).
+
+Plugins are the modules named by entry points of the group ``cardcage``; the eight backends
+that ship with cardcage are found the same way. Loading follows four environment variables:
+
+- ``CARDCAGE_DISABLE_PLUGINS=a,b``: never load these (entry-point names).
+- ``CARDCAGE_PLUGINS_AUTOLOAD=0``: load no entry point except those in ``CARDCAGE_PLUGINS``.
+- ``CARDCAGE_PLUGINS=a,b``: load these even with autoload off.
+- ``CARDCAGE_STRICT_PLUGINS=1``: a plugin that fails to import or register is an error
+  instead of being skipped and listed.
+
+Nothing here imports a backend's engine (horovod, torch_xla); only the plugin modules.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pluggy
+
+from cardcage import spec
+from cardcage.accelerator import Accelerator, Rule
+from cardcage.environments import BUILTIN_ENVIRONMENTS, ClusterEnvironment
+from cardcage.errors import MisconfigurationError, PluginError
+
+GROUP = "cardcage"
+SETTINGS = (
+    "CARDCAGE_DISABLE_PLUGINS",
+    "CARDCAGE_PLUGINS_AUTOLOAD",
+    "CARDCAGE_PLUGINS",
+    "CARDCAGE_STRICT_PLUGINS",
+)
+FALSE_WORDS = ("0", "false", "no", "off")
+TRUE_WORDS = ("1", "true", "yes", "on", "")
+
+#: The backends that ship with cardcage, for install hints only (never imported by name).
+KNOWN_BACKENDS: dict[str, str] = {
+    "cpu": "cardcage-cpu",
+    "gpu": "cardcage-gpu",
+    "dp": "cardcage-dp",
+    "ddp": "cardcage-ddp",
+    "ddp2": "cardcage-ddp2",
+    "ddp_spawn": "cardcage-spawn",
+    "spawn": "cardcage-spawn",
+    "ddp_cpu": "cardcage-spawn",
+    "horovod": "cardcage-horovod",
+    "tpu": "cardcage-tpu",
+}
+
+
+def install_command(name: str) -> str:
+    """The pip command that installs the plugin providing backend ``name``."""
+    return f"pip install {KNOWN_BACKENDS.get(name, f'cardcage-{name}')}"
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """One entry point of the ``cardcage`` group and what became of it."""
+
+    name: str
+    module: str
+    distribution: str | None
+    version: str | None
+    status: str  # loaded | failed | disabled | not autoloaded
+    error: str | None = None
+    accelerators: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A registered backend class and the plugin it came from."""
+
+    cls: type[Accelerator]
+    plugin: str
+    distribution: str | None
+    version: str | None
+
+
+@dataclass
+class Registry:
+    """Everything the loaded plugins registered."""
+
+    accelerators: dict[str, Registered] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    environments: tuple[type[ClusterEnvironment], ...] = BUILTIN_ENVIRONMENTS
+    plugins: list[PluginRecord] = field(default_factory=list)
+    hooks: Any = None  # the pluggy hook relay, for lifecycle and report hooks
+
+    def canonical(self, name: str) -> str | None:
+        """The canonical backend name for a name or alias, or ``None`` if unknown."""
+        key = name.strip().lower()
+        if key in self.accelerators:
+            return key
+        return self.aliases.get(key)
+
+    def names(self) -> list[str]:
+        """Every name and alias that selects an installed backend, sorted."""
+        return sorted([*self.accelerators, *self.aliases])
+
+    def ordered_rules(self) -> list[tuple[Rule, Registered]]:
+        """All rules of all backends, ascending by order, ties by backend name."""
+        pairs = [(rule, reg) for reg in self.accelerators.values() for rule in reg.cls.rules]
+        return sorted(pairs, key=lambda pair: (pair[0].order, pair[1].cls.name))
+
+
+def _split_names(value: str | None) -> set[str]:
+    return {piece.strip() for piece in (value or "").split(",") if piece.strip()}
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    word = raw.strip().lower()
+    if word in FALSE_WORDS:
+        return False
+    if word in TRUE_WORDS:
+        return True
+    raise MisconfigurationError(
+        f"environment variable {name}={raw!r} is not a switch. Set it to 1 or 0."
+    )
+
+
+def _failure(error: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(error), error)).strip()
+
+
+class PluginManager:
+    """Loads entry-point plugins into a pluggy manager and builds the :class:`Registry`."""
+
+    def __init__(self, env: Mapping[str, str], extra: Mapping[str, object] | None = None):
+        self.env = env
+        self.extra = dict(extra or {})
+        self.pm = pluggy.PluginManager(spec.NAME)
+        self.pm.add_hookspecs(spec)
+        self.strict = _switch(env, "CARDCAGE_STRICT_PLUGINS", False)
+        self.records: list[PluginRecord] = []
+
+    def _record(self, record: PluginRecord, error: BaseException | None = None) -> None:
+        if record.status == "failed" and self.strict:
+            raise PluginError(
+                f"cardcage plugin {record.name!r} ({record.distribution or 'unknown'}) failed: "
+                f"{record.error}. Unset CARDCAGE_STRICT_PLUGINS to skip broken plugins."
+            ) from error
+        self.records.append(record)
+
+    def load(self) -> Registry:
+        disabled = _split_names(self.env.get("CARDCAGE_DISABLE_PLUGINS"))
+        autoload = _switch(self.env, "CARDCAGE_PLUGINS_AUTOLOAD", True)
+        wanted = _split_names(self.env.get("CARDCAGE_PLUGINS"))
+        found: set[str] = set()
+        sources: dict[str, tuple[str | None, str | None]] = {}
+        for ep in sorted(metadata.entry_points(group=GROUP), key=lambda e: e.name):
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.metadata["Name"] if dist is not None else None
+            version = dist.version if dist is not None else None
+            base = PluginRecord(ep.name, ep.value, dist_name, version, status="found")
+            found.add(ep.name)
+            if ep.name in disabled:
+                self._record(replace(base, status="disabled"))
+                continue
+            if not autoload and ep.name not in wanted:
+                self._record(replace(base, status="not autoloaded"))
+                continue
+            if ep.name in sources:
+                other = sources[ep.name][0]
+                raise PluginError(
+                    f"two distributions register the cardcage plugin {ep.name!r}: {other} and "
+                    f"{dist_name}. Uninstall one of them, or disable it with "
+                    f"CARDCAGE_DISABLE_PLUGINS={ep.name}."
+                )
+            try:
+                plugin = ep.load()
+                self.pm.register(plugin, name=ep.name)
+            except Exception as error:
+                self._record(replace(base, status="failed", error=_failure(error)), error)
+                continue
+            sources[ep.name] = (dist_name, version)
+        for name, plugin in self.extra.items():
+            if name not in disabled:
+                self.pm.register(plugin, name=name)
+                sources[name] = (None, None)
+        for name in sorted(wanted - found - set(self.extra)):
+            self._record(
+                PluginRecord(
+                    name,
+                    "",
+                    None,
+                    None,
+                    "failed",
+                    error=f"CARDCAGE_PLUGINS names {name!r}, but no installed distribution has a "
+                    "'cardcage' entry point of that name",
+                )
+            )
+        return self._build(sources)
+
+    def _build(self, sources: dict[str, tuple[str | None, str | None]]) -> Registry:
+        registry = Registry(hooks=self.pm.hook, plugins=self.records)
+        environments = list(BUILTIN_ENVIRONMENTS)
+        for name, (dist, version) in sources.items():
+            plugin = self.pm.get_plugin(name)
+            module = str(getattr(plugin, "__name__", repr(plugin)))
+            base = PluginRecord(name, module, dist, version, status="found")
+            try:
+                classes = self._call(plugin, "cardcage_accelerators", Accelerator)
+                envs = self._call(plugin, "cardcage_cluster_environments", ClusterEnvironment)
+            except Exception as error:
+                self.pm.unregister(plugin)
+                self._record(replace(base, status="failed", error=_failure(error)), error)
+                continue
+            for cls in classes:
+                self._add(registry, Registered(cls, name, dist, version))
+            environments.extend(envs)
+            accelerators = tuple(c.name for c in classes)
+            self.records.append(replace(base, status="loaded", accelerators=accelerators))
+        registry.environments = tuple(environments)
+        registry.plugins.sort(key=lambda r: r.name)
+        return registry
+
+    @staticmethod
+    def _call(plugin: object, hook: str, base: type) -> list[Any]:
+        function = getattr(plugin, hook, None)
+        if function is None:
+            return []
+        result = function()
+        items = list(result or [])
+        for item in items:
+            if not (isinstance(item, type) and issubclass(item, base)):
+                raise TypeError(f"{hook}() returned {item!r}, not a {base.__name__} subclass")
+            if not isinstance(getattr(item, "name", None), str) or not item.name:  # type: ignore[attr-defined]
+                raise TypeError(f"{hook}() returned {item.__name__} without a name")
+        if base is Accelerator:
+            for item in items:
+                for rule in item.rules:
+                    if (
+                        not isinstance(rule, Rule)
+                        or isinstance(rule.order, bool)
+                        or not isinstance(rule.order, int)
+                    ):
+                        raise TypeError(
+                            f"{item.__name__}.rules holds {rule!r}, not a Rule(order=int)"
+                        )
+        return items
+
+    @staticmethod
+    def _add(registry: Registry, entry: Registered) -> None:
+        def owner(name: str) -> Registered:
+            return registry.accelerators[registry.canonical(name) or name]
+
+        for label in (n.lower() for n in entry.cls.names()):
+            if registry.canonical(label) is not None:
+                other = owner(label)
+                raise PluginError(
+                    f"backend name {label!r} is claimed by two plugins: {other.plugin} "
+                    f"({other.distribution or 'registered in-process'}) and {entry.plugin} "
+                    f"({entry.distribution or 'registered in-process'}). Uninstall one, or "
+                    f"disable it with CARDCAGE_DISABLE_PLUGINS=<name>."
+                )
+        registry.accelerators[entry.cls.name.lower()] = entry
+        for alias in entry.cls.aliases:
+            registry.aliases[alias.lower()] = entry.cls.name.lower()
+
+
+_cache: dict[tuple[object, ...], Registry] = {}
+_extra: dict[str, object] = {}
+
+
+def registry(env: Mapping[str, str]) -> Registry:
+    """The registry for the plugin settings in ``env``; loaded once per distinct setting."""
+    key = (tuple(env.get(name) for name in SETTINGS), tuple(_extra))
+    if key not in _cache:
+        _cache[key] = PluginManager(env, _extra).load()
+    return _cache[key]
+
+
+def register(plugin: object, name: str | None = None) -> None:
+    """Register an in-process plugin (a module or object with hook functions).
+
+    For scripts and tests that define a backend without packaging it; a packaged plugin
+    uses the entry point instead.
+    """
+    _extra[name or str(getattr(plugin, "__name__", repr(plugin)))] = plugin
+    _cache.clear()
+
+
+def unregister(name: str) -> None:
+    """Remove an in-process plugin added by :func:`register`."""
+    _extra.pop(name, None)
+    _cache.clear()
+
+
+def clear_cache() -> None:
+    """Forget loaded registries, e.g. after installing a plugin in this process."""
+    _cache.clear()

@@ -1,0 +1,46 @@
+"""The ddp backend: DistributedDataParallel with one process per device.
+
+Processes come from a relaunch of the user's script on this node, or from a cluster that
+already created them (torchelastic/torchrun, SLURM). It claims every multi-node job and every
+job whose processes a cluster created.
+"""
+
+from __future__ import annotations
+
+import cardcage
+from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext
+from cardcage.accelerator import distributed_availability
+
+
+class DDPAccelerator(Accelerator):
+    name = "ddp"
+    rules = (
+        Rule(
+            order=300,
+            when=lambda ctx: ctx.num_nodes > 1 or ctx.processes_created_outside,
+            why="num_nodes > 1, or a cluster (torchelastic, SLURM) created the processes",
+            name="multi_node_or_cluster",
+        ),
+    )
+
+    @classmethod
+    def availability(cls, ctx: SelectionContext) -> Availability:
+        return distributed_availability()
+
+    @classmethod
+    def resolve(cls, ctx: SelectionContext) -> Resolution:
+        resolution = super().resolve(ctx)
+        lone = ctx.num_processes == 1 and ctx.num_nodes == 1 and not ctx.gpu_ids
+        if lone and not ctx.processes_created_outside:
+            return Resolution(
+                "cpu",
+                "distributed_backend='ddp' with one CPU process on one node has nothing to "
+                "distribute: training on the CPU in this process. Set num_processes (or "
+                "gpus, or num_nodes) to train with several processes.",
+            )
+        return resolution
+
+
+@cardcage.hookimpl
+def cardcage_accelerators() -> list[type[Accelerator]]:
+    return [DDPAccelerator]

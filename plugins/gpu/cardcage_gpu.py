@@ -1,0 +1,43 @@
+"""The gpu backend: one process on one CUDA GPU (the root GPU of the ``gpus`` flag)."""
+
+from __future__ import annotations
+
+import cardcage
+from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext
+from cardcage.accelerator import cuda_availability
+
+
+class GPUAccelerator(Accelerator):
+    name = "gpu"
+    multi_node = False
+    needs_gpus = True
+    rules = (
+        Rule(
+            order=600, when=lambda ctx: ctx.num_gpus == 1, why="exactly one GPU", name="single_gpu"
+        ),
+    )
+
+    @classmethod
+    def availability(cls, ctx: SelectionContext) -> Availability:
+        return cuda_availability(ctx)
+
+    @classmethod
+    def resolve(cls, ctx: SelectionContext) -> Resolution:
+        resolution = super().resolve(ctx)
+        if resolution.accelerator == cls.name and ctx.num_gpus > 1:
+            return Resolution(
+                cls.name,
+                f"distributed_backend='gpu' trains on one GPU (GPU {ctx.gpu_ids[0]}), but "
+                f"gpus={ctx.flags.gpus!r} asks for {ctx.num_gpus}. Use 'ddp' or 'dp' to "
+                "train on all of them.",
+            )
+        return resolution
+
+    @classmethod
+    def processes_per_node(cls, ctx: SelectionContext) -> int:
+        return 1
+
+
+@cardcage.hookimpl
+def cardcage_accelerators() -> list[type[Accelerator]]:
+    return [GPUAccelerator]
