@@ -7,12 +7,13 @@ selection engine; every backend is a plugin found through the entry-point group
 
 from __future__ import annotations
 
+from cardcage._version import __version__
 from cardcage.accelerator import Accelerator, Availability, Resolution, Rule
 from cardcage.errors import MisconfigurationError, PluginError
 from cardcage.selection import Selection, SelectionContext, select
 from cardcage.spec import hookimpl
+from cardcage.trainer import Trainer
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Accelerator",
@@ -23,6 +24,7 @@ __all__ = [
     "Rule",
     "Selection",
     "SelectionContext",
+    "Trainer",
     "__version__",
     "hookimpl",
     "select",

@@ -9,13 +9,19 @@ started; an instance is created only for the backend that runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import torch
 
 from cardcage.errors import MisconfigurationError
+from cardcage.precision import Precision
 
 if TYPE_CHECKING:
     from cardcage.selection import Selection, SelectionContext
+    from cardcage.trainer import Trainer
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,6 @@ class Resolution:
     drop_gpus: bool = False
 
 
-@dataclass
 class Accelerator:
     """Base class of every backend. Subclass it, set the class attributes, register it.
 
@@ -87,6 +92,13 @@ class Accelerator:
         cpu_fallback: the backend that takes over in that case.
         uses_tpu_cores: whether it trains on the cores named by ``tpu_cores``; naming any
             other backend together with ``tpu_cores`` is an error.
+
+    The class methods decide selection. An instance is made for the backend that runs; the
+    core's training loop calls its instance methods. The defaults train in this process on
+    the CPU, so a backend overrides only what differs: device placement (``setup``,
+    ``batch_to_device``), model wrapping (``step_function``), data (``process_dataloader``),
+    process creation (``train``) and the collectives (``barrier``, ``broadcast``,
+    ``reduce``).
     """
 
     name: ClassVar[str]
@@ -97,8 +109,15 @@ class Accelerator:
     cpu_fallback: ClassVar[str] = "cpu"
     uses_tpu_cores: ClassVar[bool] = False
 
-    selection: Selection
-    options: dict[str, Any] = field(default_factory=dict)
+    #: Where the model trains; ``setup`` sets it.
+    device: torch.device
+    #: Whether batches need ``batch_to_device`` (False lets the loop skip the call).
+    moves_batches: bool = False
+
+    def __init__(self, selection: Selection):
+        self.selection = selection
+        self.device = torch.device("cpu")
+        self.precision = Precision(selection.flags.precision, "cpu")
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:
@@ -141,6 +160,87 @@ class Accelerator:
     def names(cls) -> tuple[str, ...]:
         """The canonical name followed by the aliases."""
         return (cls.name, *cls.aliases)
+
+
+
+    # -- the instance API, called by the core while training -------------------------------
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this process is rank 0 of the whole job."""
+        return self.selection.global_rank == 0
+
+    def setup(self, trainer: Trainer) -> None:
+        """Prepare this process before training: place the model, set the precision.
+
+        Called through the ``cardcage_setup`` hook in the process that trains.
+        """
+        self.precision = Precision(trainer.flags.precision, self.device.type)
+        if self.precision.dtype is not None:
+            trainer.model.to(self.precision.dtype)
+            self.moves_batches = True
+
+    def train(self, trainer: Trainer) -> Any:
+        """Run training; the default runs the core's loop in this process.
+
+        Backends that start processes override this. Called through the ``cardcage_train``
+        hook; what it returns is what ``fit`` returns.
+        """
+        return trainer.run_fit_loop()
+
+    def process_dataloader(self, loader: Any, *, train: bool) -> Any:
+        """Adapt a dataloader to this backend (a distributed sampler, a device loader)."""
+        return loader
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move (and, at precision 64, cast) a batch; called only when ``moves_batches``."""
+        return move_to(batch, self.device, self.precision.dtype)
+
+    def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
+        """The callable that runs ``model.<name>(batch, batch_idx)`` on this backend.
+
+        The loop calls what this returns once per step; a wrapping backend (DataParallel)
+        returns a function that runs the step inside its replicas.
+        """
+        function: Callable[..., Any] = getattr(model, name)
+        return function
+
+    def on_epoch_start(self, epoch: int, loader: Any) -> None:
+        """Called before each training epoch (distributed samplers reshuffle here)."""
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process reaches this point; nothing to wait for in one process."""
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """``obj`` as held by rank ``src``; the identity in one process."""
+        return obj
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over every process (``"mean"`` or ``"sum"``)."""
+        return tensor
+
+    def unwrapped_model(self, trainer: Trainer) -> torch.nn.Module:
+        """The user's module, without any wrapper this backend added."""
+        return trainer.model
+
+    def teardown(self, trainer: Trainer) -> None:
+        """Release what ``setup`` took (process groups, devices)."""
+
+
+def move_to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``batch`` with every tensor moved to ``device`` (floating ones cast to ``dtype``)."""
+    if isinstance(batch, torch.Tensor):
+        if dtype is not None and batch.is_floating_point():
+            return batch.to(device=device, dtype=dtype, non_blocking=True)
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [move_to(item, device, dtype) for item in batch]
+        if hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*moved)
+        return type(batch)(moved)
+    if isinstance(batch, dict):
+        return type(batch)({k: move_to(v, device, dtype) for k, v in batch.items()})
+    return batch
 
 
 def cuda_availability(ctx: SelectionContext) -> Availability:

@@ -108,17 +108,18 @@ def parse_gpu_ids(
     ids = list(gpus)
     if not ids:
         raise MisconfigurationError(
-            f"{flag}=[] names no GPU. Leave gpus unset (or 0) to train on the CPU."
-        )
-    if any(i < 0 for i in ids):
-        raise MisconfigurationError(
-            f"{flag}={gpus!r} holds a negative id. List GPU ids (0, 1, ...), or use -1 "
-            "alone for all GPUs."
+            f"{flag}={gpus!r} names no GPU. Leave gpus unset (or 0) to train on the CPU."
         )
     return _sanitize(ids, gpus, count, flag)
 
 
 def _sanitize(ids: list[int], gpus: object, device_count: int | None, flag: str) -> list[int]:
+    # Lists and strings alike: "-2" or "1,-1" are not ids (only "-1" alone means all).
+    if any(i < 0 for i in ids):
+        raise MisconfigurationError(
+            f"{flag}={gpus!r} holds a negative id. List GPU ids (0, 1, ...), or use -1 "
+            "alone for all GPUs."
+        )
     if len(set(ids)) != len(ids):
         raise MisconfigurationError(
             f"{flag}={gpus!r} names a GPU more than once. List each GPU id once."
@@ -225,6 +226,11 @@ def pick_multiple_gpus(
             "auto_select_gpus=True with gpus=0 selects nothing. Set gpus to the number of "
             "GPUs to pick, or auto_select_gpus=False."
         )
+    if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+        raise MisconfigurationError(
+            f"auto_select_gpus=True with gpus={count!r}: gpus must be a positive count of "
+            "GPUs to pick, or -1 for all."
+        )
     total = cuda_device_count() if device_count is None else device_count
     wanted = total if count == -1 else count
     if wanted > total:
@@ -232,14 +238,18 @@ def pick_multiple_gpus(
             f"auto_select_gpus=True with gpus={count} asks for more GPUs than this machine "
             f"has ({total}). Ask for at most {total}."
         )
+    usable: list[int] = []
     for attempt in range(attempts):
         free = free_memory()
-        if free is not None:
-            return sorted(sorted(range(len(free)), key=lambda i: -free[i])[:wanted])
+        # NVML counts every GPU of the machine; when CUDA_VISIBLE_DEVICES hides some, its
+        # indices are not torch's, so only a list of torch's length is trusted.
+        if free is not None and len(free) == total:
+            return sorted(sorted(range(total), key=lambda i: -free[i])[:wanted])
         usable = [i for i in range(total) if probe(i)]
         if len(usable) >= wanted:
             return usable[:wanted]
-        sleep((2**attempt) * 0.5 + random.uniform(0, 0.5))
+        if attempt + 1 < attempts:
+            sleep((2**attempt) * 0.5 + random.uniform(0, 0.5))
     raise MisconfigurationError(
         f"auto_select_gpus=True with gpus={count}: only {len(usable)} of {total} GPUs accept "
         "an allocation (the others are busy or exclusive). Free GPUs, or ask for fewer."

@@ -180,15 +180,21 @@ class TorchElasticEnvironment(ClusterEnvironment):
         return group if group is not None else _require_int(self.env, "NODE_RANK", 0)
 
     def global_rank(self) -> int:
+        local = self.local_rank()  # a bad LOCAL_RANK is reported as itself, first
         rank = env_int(self.env, "RANK")
         if rank is None:
             per_node = env_int(self.env, "LOCAL_WORLD_SIZE")
             if per_node is None:
-                raise MisconfigurationError(
-                    "WORLD_SIZE and LOCAL_RANK are set (an env:// launch), but RANK is not. "
-                    "Set RANK (or LOCAL_WORLD_SIZE) for every process, or launch with torchrun."
+                found = (
+                    "TORCHELASTIC_RUN_ID is set (a torchelastic launch)"
+                    if "TORCHELASTIC_RUN_ID" in self.env
+                    else "WORLD_SIZE and LOCAL_RANK are set (an env:// launch)"
                 )
-            rank = self.node_rank() * per_node + self.local_rank()
+                raise MisconfigurationError(
+                    f"{found}, but RANK is not. Set RANK (or LOCAL_WORLD_SIZE) for every "
+                    "process, or launch with torchrun."
+                )
+            rank = self.node_rank() * per_node + local
         if not 0 <= rank < self.world_size():
             raise MisconfigurationError(
                 f"environment variable RANK={rank} is outside 0..{self.world_size() - 1} for "

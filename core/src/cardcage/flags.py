@@ -80,7 +80,11 @@ def normalize_precision(value: object) -> int | str:
         "bf16": "bf16",
         "bf16-mixed": "bf16",
     }
-    if isinstance(value, bool) or value not in aliases:
+    try:
+        known = not isinstance(value, bool) and value in aliases
+    except TypeError:  # unhashable, e.g. [16]
+        known = False
+    if not known:
         raise MisconfigurationError(
             f"precision={value!r} is not supported. Use 32 (full), 16 (float16 autocast "
             "with a grad scaler, CUDA), 'bf16' (bfloat16 autocast), or 64 (double)."
@@ -153,7 +157,11 @@ def validate_flags(**kwargs: Any) -> Flags:
             "precision": normalize_precision(flags.precision),
             "default_root_dir": _path("default_root_dir", flags.default_root_dir),
             "resume_from_checkpoint": resume,
-            "gpus": list(flags.gpus) if isinstance(flags.gpus, tuple) else flags.gpus,
+            # A tuple of ids reads like a list; any other tuple stays as given, so that the
+            # error from device parsing shows the value the user wrote.
+            "gpus": list(flags.gpus)
+            if isinstance(flags.gpus, tuple) and all(type(i) is int for i in flags.gpus)
+            else flags.gpus,
         }
     )
 

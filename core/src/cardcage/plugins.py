@@ -137,6 +137,9 @@ class PluginManager:
         self.extra = dict(extra or {})
         self.pm = pluggy.PluginManager(spec.NAME)
         self.pm.add_hookspecs(spec)
+        from cardcage import lifecycle
+
+        self.pm.register(lifecycle, name="cardcage.lifecycle")
         self.strict = _switch(env, "CARDCAGE_STRICT_PLUGINS", False)
         self.records: list[PluginRecord] = []
 
@@ -182,7 +185,15 @@ class PluginManager:
             sources[ep.name] = (dist_name, version)
         for name, plugin in self.extra.items():
             if name not in disabled:
-                self.pm.register(plugin, name=name)
+                try:
+                    self.pm.register(plugin, name=name)
+                except ValueError as error:  # pluggy: name taken, or plugin already loaded
+                    raise PluginError(
+                        f"in-process plugin {name!r} cannot be registered: {error}. An "
+                        "installed plugin already uses that name or that module; pick another "
+                        "name in cardcage.plugins.register(), or disable the installed one with "
+                        f"CARDCAGE_DISABLE_PLUGINS={name}."
+                    ) from None
                 sources[name] = (None, None)
         for name in sorted(wanted - found - set(self.extra)):
             self._record(

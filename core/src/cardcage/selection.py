@@ -304,6 +304,7 @@ def _resolve_named(
     warnings: list[str],
 ) -> tuple[type[Accelerator], SelectionContext, str, str]:
     seen = [cls.name]
+    named = ctx.requested_as or cls.name
     current = cls
     while True:
         resolution = current.resolve(ctx)
@@ -315,11 +316,19 @@ def _resolve_named(
             break
         if resolution.accelerator in seen or len(seen) > MAX_REDIRECTS:
             raise MisconfigurationError(
-                f"distributed_backend={ctx.requested_as!r}: backends hand the job to each "
+                f"distributed_backend={named!r}: backends hand the job to each "
                 f"other in a loop ({' -> '.join([*seen, resolution.accelerator])}). Report "
                 "this to the plugins' authors."
             )
         seen.append(resolution.accelerator)
+        if registry.canonical(resolution.accelerator) is None:
+            reason = f" ({resolution.warning})" if resolution.warning else ""
+            raise MisconfigurationError(
+                f"distributed_backend={named!r} hands the job to the "
+                f"{resolution.accelerator!r} backend here{reason}, but that backend's plugin "
+                f"is not installed (or was disabled). Install it with "
+                f"`{plugins.install_command(resolution.accelerator)}`, or change the flags."
+            )
         current = _lookup(registry, resolution.accelerator)
         # Only the named backend's own checks apply on the first hop; the next one resolves
         # as if it had been named itself.
@@ -328,7 +337,7 @@ def _resolve_named(
     if not availability:
         hint = f" {availability.hint}." if availability.hint else ""
         raise MisconfigurationError(
-            f"distributed_backend={ctx.requested_as!r} selects {current.name!r}, which is "
+            f"distributed_backend={named!r} selects {current.name!r}, which is "
             f"not available here: {availability.reason}.{hint}"
         )
     ctx = replace(ctx, requested=cls.name, requested_as=ctx.requested_as)

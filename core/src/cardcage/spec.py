@@ -18,6 +18,7 @@ import pluggy
 if TYPE_CHECKING:
     from cardcage.accelerator import Accelerator
     from cardcage.environments import ClusterEnvironment
+    from cardcage.trainer import Trainer
 
 NAME = "cardcage"
 _spec = pluggy.HookspecMarker(NAME)
@@ -58,5 +59,35 @@ def cardcage_env_report() -> dict[str, str]:
     Called only by ``cardcage env``; it may import heavy modules.
 
     :return: a mapping of label to value, shown under the plugin's name.
+    """
+    raise AssertionError("hookspec")  # pragma: no cover
+
+
+@_spec(firstresult=True)
+def cardcage_setup(trainer: Trainer, accelerator: Accelerator) -> bool | None:
+    """Set up a training process: the backend places the model and sets the precision.
+
+    Called once in every process that trains, before the optimizers are created. The core's
+    own implementation runs last and calls ``accelerator.setup(trainer)``; wrap it with
+    ``@hookimpl(wrapper=True)`` to observe or extend setup without subclassing a backend.
+
+    :param trainer: the :class:`~cardcage.Trainer` being fitted.
+    :param accelerator: the backend instance that trains.
+    :return: ``True`` once set up (first result wins).
+    """
+    raise AssertionError("hookspec")  # pragma: no cover
+
+
+@_spec(firstresult=True)
+def cardcage_train(trainer: Trainer, accelerator: Accelerator) -> object:
+    """Run the training of ``trainer.fit`` in the process that called it.
+
+    The core's own implementation runs last and calls ``accelerator.train(trainer)``, which
+    trains here or starts the processes that do. Wrap it with ``@hookimpl(wrapper=True)``
+    to time, log or guard a whole run; what it returns is what ``fit`` returns.
+
+    :param trainer: the :class:`~cardcage.Trainer` being fitted.
+    :param accelerator: the backend instance selected for the run.
+    :return: the backend's result (``None`` for the built-in backends).
     """
     raise AssertionError("hookspec")  # pragma: no cover

@@ -1,0 +1,118 @@
+"""The model contract: what cardcage asks of a ``torch.nn.Module`` and how it reads the answers.
+
+A model has ``training_step(batch, batch_idx)`` returning a loss tensor or a dict holding
+``"loss"``, and ``configure_optimizers()`` returning an optimizer, a list of them, a pair
+``(optimizers, schedulers)``, or a dict with ``"optimizer"`` and ``"lr_scheduler"``.
+``train_dataloader()``, ``val_dataloader()``, ``test_dataloader()``, ``validation_step`` and
+``test_step`` are optional. With several optimizers, a ``training_step`` that accepts
+``optimizer_idx`` is called once per optimizer; otherwise it is called once and every
+optimizer steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cardcage.errors import MisconfigurationError
+
+
+@dataclass
+class Optimization:
+    """The optimizers and learning-rate schedulers a model asked for."""
+
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[Any] = field(default_factory=list)
+    per_optimizer_steps: bool = False  # training_step takes optimizer_idx
+
+
+def check_model(model: object, *, needs: str = "training_step") -> None:
+    """Refuse a model that cannot be trained, naming what is missing."""
+    if not isinstance(model, torch.nn.Module):
+        raise MisconfigurationError(
+            f"model={type(model).__name__} is not a torch.nn.Module. Subclass torch.nn.Module "
+            "and add training_step(batch, batch_idx) and configure_optimizers()."
+        )
+    for method in (needs, "configure_optimizers") if needs == "training_step" else (needs,):
+        if not callable(getattr(model, method, None)):
+            raise MisconfigurationError(
+                f"model {type(model).__name__} has no {method}(). Add it: see the model "
+                "contract in cardcage.contract."
+            )
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def configure_optimizers(model: torch.nn.Module) -> Optimization:
+    """Call ``model.configure_optimizers()`` and normalise what it returned."""
+    result = model.configure_optimizers()  # type: ignore[operator]
+    schedulers: list[Any] = []
+    if isinstance(result, Mapping):
+        optimizers = _as_list(result.get("optimizer"))
+        schedulers = _as_list(result.get("lr_scheduler"))
+    elif (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[0], (list, tuple))
+        and isinstance(result[1], (list, tuple))
+    ):
+        optimizers, schedulers = list(result[0]), list(result[1])
+    else:
+        optimizers = _as_list(result)
+    schedulers = [s["scheduler"] if isinstance(s, Mapping) else s for s in schedulers]
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise MisconfigurationError(
+            f"configure_optimizers() of {type(model).__name__} returned {result!r}. Return "
+            "an optimizer, a list of them, (optimizers, schedulers), or "
+            "{'optimizer': ..., 'lr_scheduler': ...}."
+        )
+    per_optimizer = len(optimizers) > 1 and "optimizer_idx" in inspect.signature(
+        model.training_step  # type: ignore[arg-type]
+    ).parameters
+    return Optimization(optimizers, schedulers, per_optimizer)
+
+
+def extract_loss(output: Any, step: str = "training_step") -> torch.Tensor:
+    """The loss tensor of a step's output (a tensor, or a dict holding ``"loss"``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise MisconfigurationError(
+        f"{step} returned {type(output).__name__}; return a loss tensor or a dict holding "
+        "'loss'."
+    )
+
+
+def metrics_of(output: Any, prefix: str) -> dict[str, torch.Tensor]:
+    """The scalar tensors of a validation/test step's output, named ``prefix_name``."""
+    if isinstance(output, torch.Tensor):
+        return {f"{prefix}_loss": output.detach()}
+    if isinstance(output, Mapping):
+        return {
+            (f"{prefix}_{key}" if not str(key).startswith(prefix) else str(key)): value.detach()
+            for key, value in output.items()
+            if isinstance(value, torch.Tensor) and value.numel() == 1
+        }
+    return {}
+
+
+def mean_metrics(outputs: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Average each metric over the steps that reported it."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for output in outputs:
+        for key, value in output.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+            counts[key] = counts.get(key, 0) + 1
+    return {key: sums[key] / counts[key] for key in sums}

@@ -1,0 +1,253 @@
+"""``cardcage.Trainer``: validates the flags, selects a backend, and dispatches to it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from cardcage import checkpoint, loop, plugins
+from cardcage._version import __version__
+from cardcage.accelerator import Accelerator
+from cardcage.contract import Optimization, check_model, configure_optimizers
+from cardcage.errors import MisconfigurationError
+from cardcage.progress import ProgressBar
+from cardcage.selection import Selection, select
+
+
+def _loaders(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class Trainer:
+    """Train a model on the backend the flags and the environment select.
+
+    The flags are DESIGN.md's (``gpus``, ``tpu_cores``, ``num_processes``, ``num_nodes``,
+    ``distributed_backend``, ``precision``, ``max_epochs``, ``max_steps``, ...). Every one is
+    checked here: a bad one raises :class:`~cardcage.MisconfigurationError` before any
+    process, port or CUDA context exists. ``progress_bar``: ``None`` shows a bar on rank 0
+    when stderr is a terminal; ``True``/``False`` force it.
+    """
+
+    def __init__(
+        self,
+        gpus: Any = None,
+        tpu_cores: Any = None,
+        num_processes: int = 1,
+        num_nodes: int = 1,
+        distributed_backend: str | None = None,
+        auto_select_gpus: bool = False,
+        log_gpu_memory: str | None = None,
+        sync_batchnorm: bool = False,
+        benchmark: bool = False,
+        replace_sampler_ddp: bool = True,
+        precision: int | str = 32,
+        max_epochs: int | None = 1,
+        max_steps: int | None = None,
+        default_root_dir: str | os.PathLike[str] | None = None,
+        resume_from_checkpoint: str | os.PathLike[str] | None = None,
+        progress_bar: bool | None = None,
+        **unknown: Any,
+    ):
+        if progress_bar is not None and not isinstance(progress_bar, bool):
+            raise MisconfigurationError(
+                f"progress_bar={progress_bar!r} is not valid: use True, False or None (a bar "
+                "when stderr is a terminal)."
+            )
+        self.selection: Selection = select(
+            gpus=gpus, tpu_cores=tpu_cores, num_processes=num_processes, num_nodes=num_nodes,
+            distributed_backend=distributed_backend, auto_select_gpus=auto_select_gpus,
+            log_gpu_memory=log_gpu_memory, sync_batchnorm=sync_batchnorm, benchmark=benchmark,
+            replace_sampler_ddp=replace_sampler_ddp, precision=precision,
+            max_epochs=max_epochs, max_steps=max_steps, default_root_dir=default_root_dir,
+            resume_from_checkpoint=resume_from_checkpoint, **unknown,
+        )
+        self.flags = self.selection.flags
+        self._registry = plugins.registry(os.environ)
+        backend = self._registry.accelerators[self.selection.accelerator].cls
+        self.accelerator: Accelerator = backend(self.selection)
+        self.progress_bar_flag = progress_bar
+        self.progress = ProgressBar(False)
+        self.model: torch.nn.Module = torch.nn.Module()
+        self.optimization = Optimization([])
+        self.train_dataloader: Any = None
+        self.val_dataloaders: list[Any] = []
+        self.current_epoch = 0
+        self.global_step = 0
+        self.batch_idx = 0
+        self.epoch_rng: dict[str, Any] | None = None
+        self.logged_metrics: dict[str, float] = {}
+        self.losses: list[float] = []
+        self._resume: dict[str, Any] | None = None
+        self._prepared = False
+        self.results: Any = None
+
+    # -- public API -------------------------------------------------------------------------
+
+    def fit(
+        self,
+        model: torch.nn.Module,
+        train_dataloader: Any = None,
+        val_dataloaders: Any = None,
+    ) -> Any:
+        """Train ``model``; afterwards it holds the trained weights of rank 0."""
+        check_model(model)
+        if train_dataloader is None:
+            if not callable(getattr(model, "train_dataloader", None)):
+                raise MisconfigurationError(
+                    "fit(model) got no train_dataloader and the model has no "
+                    "train_dataloader(). Pass fit(model, train_dataloader=...) or add the method."
+                )
+            train_dataloader = model.train_dataloader()  # type: ignore[operator]
+        if val_dataloaders is None and callable(getattr(model, "val_dataloader", None)):
+            val_dataloaders = model.val_dataloader()  # type: ignore[operator]
+        self.model = model
+        self.train_dataloader = train_dataloader
+        self.val_dataloaders = _loaders(val_dataloaders)
+        if self.flags.benchmark:
+            torch.backends.cudnn.benchmark = True
+        hooks = self._registry.hooks
+        self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
+        return self.results
+
+    def validate(self, model: torch.nn.Module | None = None, dataloaders: Any = None) -> dict[
+        str, float
+    ]:
+        """Run ``validation_step`` over the validation loaders; return the mean metrics."""
+        return self._evaluate(model, dataloaders, "validation_step", "val_dataloader", "val")
+
+    def test(self, model: torch.nn.Module | None = None, dataloaders: Any = None) -> dict[
+        str, float
+    ]:
+        """Run ``test_step`` over the test loaders; return the mean metrics."""
+        return self._evaluate(model, dataloaders, "test_step", "test_dataloader", "test")
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Write a checkpoint atomically (rank 0 writes; every rank waits for it)."""
+        accelerator = self.accelerator
+        if accelerator.is_global_zero:
+            checkpoint.save_atomic(self.checkpoint_state(), path)
+        accelerator.barrier("save_checkpoint")
+
+    # -- what backends and the loop call ----------------------------------------------------
+
+    def prepare(self) -> None:
+        """Set up this training process: backend setup, optimizers, resume state.
+
+        Runs the ``cardcage_setup`` hook (whose default implementation calls the backend's
+        ``setup``), so plugins may wrap it.
+        """
+        self._registry.hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+        self._prepared = True
+        self.optimization = configure_optimizers(self.model)
+        self.progress = ProgressBar(
+            ProgressBar.wanted(self.progress_bar_flag, self.accelerator.selection.global_rank)
+        )
+        path = self.flags.resume_from_checkpoint
+        if path is not None:
+            self._restore(checkpoint.load(path))
+
+    def run_fit_loop(self) -> Any:
+        """Prepare this process and run the training loop in it (what ``train`` defaults to)."""
+        self.prepare()
+        try:
+            loop.fit_loop(self, self.accelerator)
+        finally:
+            self.progress.end_epoch()
+            self.accelerator.teardown(self)
+        return None
+
+    def resume_position(self) -> tuple[int, dict[str, Any] | None]:
+        """Batches to skip in the first epoch, and the random state to take after them."""
+        state, self._resume = self._resume, None
+        if state is None:
+            return 0, None
+        skip = int(state["batch_idx"])
+        if skip and state.get("epoch_rng") is not None:
+            checkpoint.set_rng_state(state["epoch_rng"])
+            self.epoch_rng = state["epoch_rng"]
+            return skip, state["rng"]
+        checkpoint.set_rng_state(state["rng"])
+        return 0, None
+
+    def record_losses(self, losses: list[torch.Tensor]) -> None:
+        """Keep an epoch's step losses (one transfer per epoch, not per step)."""
+        if losses:
+            values = torch.stack(losses).float().cpu().tolist()
+            self.losses.extend(values)
+            self.logged_metrics["loss"] = values[-1]
+        self.logged_metrics["epoch"] = float(self.current_epoch)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything a resumed run needs, as plain tensors and containers."""
+        model = self.accelerator.unwrapped_model(self)
+        return {
+            "format": checkpoint.FORMAT,
+            "cardcage_version": __version__,
+            "state_dict": model.state_dict(),
+            "optimizers": [o.state_dict() for o in self.optimization.optimizers],
+            "schedulers": [s.state_dict() for s in self.optimization.schedulers],
+            "scaler": self.accelerator.precision.state_dict(),
+            "epoch": self.current_epoch,
+            "global_step": self.global_step,
+            "batch_idx": self.batch_idx,
+            "rng": checkpoint.rng_state(),
+            "epoch_rng": self.epoch_rng if self.batch_idx else None,
+        }
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.accelerator.unwrapped_model(self).load_state_dict(state["state_dict"])
+        optimizers = self.optimization.optimizers
+        if len(state["optimizers"]) != len(optimizers):
+            raise MisconfigurationError(
+                f"resume_from_checkpoint={self.flags.resume_from_checkpoint!r} holds "
+                f"{len(state['optimizers'])} optimizer state(s), but configure_optimizers() "
+                f"returned {len(optimizers)}. Resume with the model that wrote it."
+            )
+        for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(self.optimization.schedulers, state["schedulers"],
+                                    strict=False):
+            scheduler.load_state_dict(saved)
+        self.accelerator.precision.load_state_dict(state["scaler"])
+        self.current_epoch = int(state["epoch"])
+        self.global_step = int(state["global_step"])
+        self.batch_idx = int(state["batch_idx"])
+        self._resume = state
+
+    def _evaluate(
+        self, model: torch.nn.Module | None, dataloaders: Any, step: str, source: str,
+        prefix: str,
+    ) -> dict[str, float]:
+        if model is not None:
+            check_model(model, needs=step)
+            self.model = model
+        if not callable(getattr(self.model, step, None)):
+            raise MisconfigurationError(
+                f"{prefix}: the model has no {step}(batch, batch_idx). Add it to evaluate."
+            )
+        if dataloaders is None and callable(getattr(self.model, source, None)):
+            dataloaders = getattr(self.model, source)()
+        loaders = _loaders(dataloaders)
+        if not loaders:
+            raise MisconfigurationError(
+                f"{prefix}: no dataloader. Pass dataloaders=... or add {source}() to the model."
+            )
+        if not self._prepared:
+            self._registry.hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+            self._prepared = True
+        return loop.evaluate(self, self.accelerator, loaders, step, prefix)
+
+
+def trainer_flags() -> Sequence[str]:
+    """The names of the Trainer's keyword arguments."""
+    import inspect
+
+    return [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self",
+                                                                                    "unknown")]
