@@ -1,8 +1,9 @@
 """The ddp backend: DistributedDataParallel with one process per device.
 
-Processes come from a relaunch of the user's script on this node, or from a cluster that
-already created them (torchelastic/torchrun, SLURM). It claims every multi-node job and every
-job whose processes a cluster created.
+Processes come from a relaunch of the user's script on this node (this process trains as
+local rank 0 and re-runs the script for the others, as Lightning 1.0 did), or from a
+cluster that already created them (torchrun/torchelastic, SLURM). It claims every
+multi-node job and every job whose processes a cluster created.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import cardcage
 from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext
 from cardcage.accelerator import distributed_availability
+from cardcage.distributed import DistributedAccelerator
 
 
-class DDPAccelerator(Accelerator):
+class DDPAccelerator(DistributedAccelerator):
     name = "ddp"
     rules = (
         Rule(
@@ -39,6 +41,9 @@ class DDPAccelerator(Accelerator):
                 "gpus, or num_nodes) to train with several processes.",
             )
         return resolution
+
+    # Training: DistributedAccelerator relaunches the script, or joins the processes a
+    # cluster made, then trains one rank per process.
 
 
 @cardcage.hookimpl

@@ -1,10 +1,27 @@
-"""The dp backend: one process, ``torch.nn.DataParallel`` across the GPUs of one node."""
+"""The dp backend: one process, ``torch.nn.DataParallel`` across the GPUs of one node.
+
+Each step's batch is split across the GPUs; every replica runs the model's step function and
+the outputs are gathered on the root GPU. As in Lightning 1.0, a model may reduce them
+itself with ``training_step_end(outputs)`` (``validation_step_end``, ``test_step_end``);
+otherwise every gathered tensor is averaged over the replicas.
+
+16-bit precision works: autocast is entered inside each replica (autocast state is
+thread-local and DataParallel runs replicas in threads), and one GradScaler scales the
+gathered loss.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 import cardcage
 from cardcage import Accelerator, Availability, SelectionContext
 from cardcage.accelerator import cuda_availability
+from cardcage.devices import gpu_memory_metrics
+from cardcage.wrappers import StepRunner, data_parallel_step
 
 
 class DataParallelAccelerator(Accelerator):
@@ -20,6 +37,27 @@ class DataParallelAccelerator(Accelerator):
     @classmethod
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         return 1
+
+    def setup(self, trainer: Any) -> None:
+        gpu_ids = self.selection.gpu_ids
+        assert gpu_ids, "selection gave the dp backend no GPU"
+        torch.cuda.set_device(gpu_ids[0])
+        self.device = torch.device("cuda", gpu_ids[0])
+        trainer.model.to(self.device)
+        super().setup(trainer)
+        self.precision.check_device()
+        # DataParallel scatters the batch from wherever it is; only a float64 run casts.
+        self.moves_batches = self.precision.dtype is not None
+        self.parallel = torch.nn.DataParallel(
+            StepRunner(trainer.model, self.precision.autocast), device_ids=gpu_ids
+        )
+
+    def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
+        return data_parallel_step(self.parallel, model, name)
+
+    def on_epoch_end(self, trainer: Any) -> None:
+        metrics = gpu_memory_metrics(trainer.flags.log_gpu_memory, self.selection.gpu_ids)
+        trainer.logged_metrics.update(metrics)
 
 
 @cardcage.hookimpl

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 import cardcage
 from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext
 from cardcage.accelerator import cuda_availability
+from cardcage.devices import gpu_memory_metrics
 
 
 class GPUAccelerator(Accelerator):
@@ -24,7 +29,7 @@ class GPUAccelerator(Accelerator):
     @classmethod
     def resolve(cls, ctx: SelectionContext) -> Resolution:
         resolution = super().resolve(ctx)
-        if resolution.accelerator == cls.name and ctx.num_gpus > 1:
+        if resolution.accelerator == cls.name and ctx.gpu_ids and ctx.num_gpus > 1:
             return Resolution(
                 cls.name,
                 f"distributed_backend='gpu' trains on one GPU (GPU {ctx.gpu_ids[0]}), but "
@@ -36,6 +41,20 @@ class GPUAccelerator(Accelerator):
     @classmethod
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         return 1
+
+    def setup(self, trainer: Any) -> None:
+        root = self.selection.root_gpu
+        assert root is not None, "selection gave the gpu backend no GPU"
+        torch.cuda.set_device(root)
+        self.device = torch.device("cuda", root)
+        trainer.model.to(self.device)
+        super().setup(trainer)  # precision for the device type, float64 cast
+        self.precision.check_device()
+        self.moves_batches = True
+
+    def on_epoch_end(self, trainer: Any) -> None:
+        metrics = gpu_memory_metrics(trainer.flags.log_gpu_memory, self.selection.gpu_ids)
+        trainer.logged_metrics.update(metrics)
 
 
 @cardcage.hookimpl

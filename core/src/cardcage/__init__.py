@@ -14,7 +14,6 @@ from cardcage.selection import Selection, SelectionContext, select
 from cardcage.spec import hookimpl
 from cardcage.trainer import Trainer
 
-
 __all__ = [
     "Accelerator",
     "Availability",

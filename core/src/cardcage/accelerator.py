@@ -118,6 +118,10 @@ class Accelerator:
         self.selection = selection
         self.device = torch.device("cpu")
         self.precision = Precision(selection.flags.precision, "cpu")
+        # This process's place; launchers set them in the processes they start.
+        self.global_rank = selection.global_rank
+        self.local_rank = selection.local_rank
+        self.world_size = selection.world_size
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:
@@ -157,18 +161,29 @@ class Accelerator:
         return len(ctx.gpu_ids) if ctx.gpu_ids else ctx.num_processes
 
     @classmethod
+    def check_precision(cls, selection: Selection) -> None:
+        """Refuse a precision this backend cannot train at, before anything starts.
+
+        The default allows 32, 64 and ``"bf16"`` everywhere and 16 only with GPUs.
+        """
+        if selection.flags.precision == 16 and not selection.gpu_ids:
+            raise MisconfigurationError(
+                f"precision=16 (float16 autocast with a grad scaler) needs CUDA GPUs, but "
+                f"distributed_backend={selection.accelerator!r} trains on the CPU here. Use "
+                "precision='bf16' on the CPU, or set gpus."
+            )
+
+    @classmethod
     def names(cls) -> tuple[str, ...]:
         """The canonical name followed by the aliases."""
         return (cls.name, *cls.aliases)
-
-
 
     # -- the instance API, called by the core while training -------------------------------
 
     @property
     def is_global_zero(self) -> bool:
         """Whether this process is rank 0 of the whole job."""
-        return self.selection.global_rank == 0
+        return self.global_rank == 0
 
     def setup(self, trainer: Trainer) -> None:
         """Prepare this process before training: place the model, set the precision.
@@ -205,8 +220,15 @@ class Accelerator:
         function: Callable[..., Any] = getattr(model, name)
         return function
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Compute gradients (scaled at precision 16); ddp2 also averages them across nodes."""
+        self.precision.backward(loss)
+
     def on_epoch_start(self, epoch: int, loader: Any) -> None:
         """Called before each training epoch (distributed samplers reshuffle here)."""
+
+    def on_epoch_end(self, trainer: Trainer) -> None:
+        """Called after each training epoch, before validation (GPU backends log memory)."""
 
     def barrier(self, name: str | None = None) -> None:
         """Wait until every process reaches this point; nothing to wait for in one process."""

@@ -28,13 +28,14 @@ def rng_state() -> dict[str, Any]:
         "python": [version, list(state), gauss],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         states["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy
 
-        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
-        states["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)  # type: ignore[misc]
+        keys = numpy.asarray(keys, dtype="int64")
+        states["numpy"] = [kind, torch.from_numpy(keys), pos, has_gauss, cached]
     except ImportError:
         pass
     return states
@@ -58,8 +59,9 @@ def save_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write ``payload`` to ``path`` so that readers see the old file or the new one."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                                         dir=target.parent)
+    handle, temporary = tempfile.mkstemp(
+        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
+    )
     try:
         with os.fdopen(handle, "wb") as stream:
             torch.save(payload, stream)

@@ -57,7 +57,7 @@ def add_trainer_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--auto-select-gpus", action="store_true")
     group.add_argument("--precision", type=_precision, default=32, help="32, 16, 64 or bf16")
-    group.add_argument("--max-epochs", type=int, default=1)
+    group.add_argument("--max-epochs", type=int, default=None)
     group.add_argument("--max-steps", type=int, default=None)
 
 
@@ -130,10 +130,17 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from cardcage.demo import run
+
+    return run(trainer_flags(args), progress_bar=args.progress_bar)
+
+
 COMMANDS: dict[str, tuple[Command, str]] = {
     "plugins": (cmd_plugins, "list backends, their plugins and whether they can run here"),
     "explain": (cmd_explain, "show which backend the flags select here, and why"),
     "env": (cmd_env, "versions, devices and cluster environment, for bug reports"),
+    "demo": (cmd_demo, "train a small built-in model on synthetic data on the selected backend"),
 }
 
 
@@ -149,8 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--json", action="store_true", help="print one JSON document on stdout"
             )
-        if name == "explain":
+        if name in ("explain", "demo"):
             add_trainer_flags(command)
+        if name == "demo":
+            command.add_argument(
+                "--progress-bar",
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help="show the progress bar (default: on)",
+            )
     return parser
 
 

@@ -76,9 +76,13 @@ def configure_optimizers(model: torch.nn.Module) -> Optimization:
             "an optimizer, a list of them, (optimizers, schedulers), or "
             "{'optimizer': ..., 'lr_scheduler': ...}."
         )
-    per_optimizer = len(optimizers) > 1 and "optimizer_idx" in inspect.signature(
-        model.training_step  # type: ignore[arg-type]
-    ).parameters
+    per_optimizer = (
+        len(optimizers) > 1
+        and "optimizer_idx"
+        in inspect.signature(
+            model.training_step  # type: ignore[arg-type]
+        ).parameters
+    )
     return Optimization(optimizers, schedulers, per_optimizer)
 
 
@@ -87,10 +91,10 @@ def extract_loss(output: Any, step: str = "training_step") -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
+        loss: torch.Tensor = output["loss"]
+        return loss
     raise MisconfigurationError(
-        f"{step} returned {type(output).__name__}; return a loss tensor or a dict holding "
-        "'loss'."
+        f"{step} returned {type(output).__name__}; return a loss tensor or a dict holding 'loss'."
     )
 
 

@@ -278,3 +278,15 @@ def apply_cuda_environment(
         target["CUDA_VISIBLE_DEVICES"] = visible
         changed["CUDA_VISIBLE_DEVICES"] = visible
     return changed
+
+
+def gpu_memory_metrics(mode: str | None, gpu_ids: list[int] | None) -> dict[str, float]:
+    """Allocated GPU memory in MiB for ``log_gpu_memory``: per GPU (``"all"``) or min/max."""
+    if not mode or not gpu_ids:
+        return {}
+    import torch
+
+    used = {i: torch.cuda.memory_allocated(i) / 2**20 for i in gpu_ids}
+    if mode == "min_max":
+        return {"gpu_memory_min_mb": min(used.values()), "gpu_memory_max_mb": max(used.values())}
+    return {f"gpu_{i}_memory_mb": value for i, value in used.items()}

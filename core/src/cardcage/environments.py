@@ -168,7 +168,8 @@ class TorchElasticEnvironment(ClusterEnvironment):
         size = _require_int(self.env, "WORLD_SIZE", 1)
         if size < 1:
             raise MisconfigurationError(
-                f"environment variable WORLD_SIZE={size} must be at least 1."
+                f"environment variable WORLD_SIZE={size} must be at least 1. Fix the "
+                "launcher's WORLD_SIZE (the number of processes of the job), or unset it."
             )
         return size
 

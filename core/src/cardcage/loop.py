@@ -52,17 +52,16 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
     optimizers = optimization.optimizers
     precision = accelerator.precision
     loader = accelerator.process_dataloader(trainer.train_dataloader, train=True)
-    val_loaders = [accelerator.process_dataloader(v, train=False)
-                   for v in trainer.val_dataloaders]
+    val_loaders = [accelerator.process_dataloader(v, train=False) for v in trainer.val_dataloaders]
     step = accelerator.step_function(model, "training_step")
     to_device = accelerator.batch_to_device if accelerator.moves_batches else None
     autocast = precision.autocast
-    backward, optimizer_step = precision.backward, precision.step
+    backward, optimizer_step = accelerator.backward, precision.step
     bar = trainer.progress
     max_steps = trainer.flags.max_steps or math.inf
     max_epochs = trainer.flags.max_epochs or (math.inf if trainer.flags.max_steps else 1)
     single = not optimization.per_optimizer_steps
-    skip, resume_rng = trainer.resume_position()
+    skip, resume_rng, rng_after_fetch = trainer.resume_position()
 
     epoch = trainer.current_epoch
     while epoch < max_epochs and trainer.global_step < max_steps:
@@ -73,12 +72,17 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
         model.train()
         bar.start_epoch(epoch, _length(loader))
         losses: list[torch.Tensor] = []
+        trainer.in_epoch = True
         for batch_idx, batch in enumerate(loader):
             if skip:  # resuming inside an epoch: draw the same batches, train on the rest
                 skip -= 1
-                if not skip and resume_rng is not None:
+                if not skip and resume_rng is not None and not rng_after_fetch:
                     set_rng_state(resume_rng)
+                    resume_rng = None
                 continue
+            if resume_rng is not None:  # saved inside training_step, after its batch was drawn
+                set_rng_state(resume_rng)
+                resume_rng = None
             if to_device is not None:
                 batch = to_device(batch)
             if single:
@@ -94,7 +98,7 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
                 for optimizer in optimizers:
                     optimizer_step(optimizer)
             else:
-                loss = _per_optimizer_step(step, batch, batch_idx, optimizers, precision)
+                loss = _per_optimizer_step(step, batch, batch_idx, optimizers, accelerator)
             precision.update()
             losses.append(loss.detach())
             trainer.global_step += 1
@@ -103,8 +107,10 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
                 bar.step(loss, batch_size_of(batch))
             if trainer.global_step >= max_steps:
                 break
+        trainer.in_epoch = False
         epoch_done = trainer.global_step < max_steps or trainer.batch_idx == _length(loader)
         trainer.record_losses(losses)
+        accelerator.on_epoch_end(trainer)
         if epoch_done:
             trainer.current_epoch, trainer.batch_idx = epoch + 1, 0
             for scheduler in optimization.schedulers:
@@ -115,10 +121,14 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
 
 
 def _per_optimizer_step(
-    step: Any, batch: Any, batch_idx: int, optimizers: list[torch.optim.Optimizer],
-    precision: Any,
+    step: Any,
+    batch: Any,
+    batch_idx: int,
+    optimizers: list[torch.optim.Optimizer],
+    accelerator: Accelerator,
 ) -> torch.Tensor:
     """Lightning 1.0's multi-optimizer contract: one step per optimizer, ``optimizer_idx``."""
+    precision = accelerator.precision
     loss = torch.zeros(())
     for index, optimizer in enumerate(optimizers):
         optimizer.zero_grad()
@@ -128,13 +138,16 @@ def _per_optimizer_step(
             with precision.autocast():
                 output = step(batch, batch_idx, optimizer_idx=index)
         loss = extract_loss(output)
-        precision.backward(loss)
+        accelerator.backward(loss)
         precision.step(optimizer)
     return loss
 
 
 def evaluate(
-    trainer: Trainer, accelerator: Accelerator, loaders: Iterable[Any], step_name: str,
+    trainer: Trainer,
+    accelerator: Accelerator,
+    loaders: Iterable[Any],
+    step_name: str,
     prefix: str,
 ) -> dict[str, float]:
     """Run ``step_name`` over ``loaders`` without gradients; return the mean metrics.

@@ -40,8 +40,10 @@ class Precision:
 
     def check_device(self) -> None:
         """Refuse bf16 on a GPU that cannot do it (asks CUDA, so call it when training starts)."""
-        if self.precision == "bf16" and self.device_type == "cuda" and not (
-            torch.cuda.is_bf16_supported()
+        if (
+            self.precision == "bf16"
+            and self.device_type == "cuda"
+            and not (torch.cuda.is_bf16_supported())
         ):
             raise MisconfigurationError(
                 "precision='bf16' is not supported by this GPU (torch.cuda.is_bf16_supported() "
@@ -50,9 +52,9 @@ class Precision:
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
+            self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
         else:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

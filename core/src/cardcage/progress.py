@@ -22,6 +22,7 @@ class ProgressBar:
         self._bar: Any = None
         self._samples = 0
         self._start = 0.0
+        self._loss: torch.Tensor | None = None
 
     @staticmethod
     def wanted(flag: bool | None, global_rank: int) -> bool:
@@ -37,26 +38,47 @@ class ProgressBar:
             return
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", file=self.file,
-                         dynamic_ncols=True, leave=True, mininterval=0.1)
+        self._bar = tqdm(
+            total=total,
+            desc=f"epoch {epoch}",
+            unit="step",
+            file=self.file,
+            dynamic_ncols=True,
+            leave=True,
+            mininterval=0.1,
+        )
         self._samples = 0
         self._start = time.perf_counter()
+        self._loss = None
 
     def step(self, loss: torch.Tensor, batch_size: int) -> None:
         bar = self._bar
         if bar is None:
             return
         self._samples += batch_size
+        self._loss = loss  # a reference, no sync; shown when the epoch ends
         # tqdm redraws when update() returns True; read the loss only then.
         if bar.update(1):
             elapsed = time.perf_counter() - self._start
-            bar.set_postfix(loss=f"{float(loss):.4g}",
-                            samples_s=f"{self._samples / max(elapsed, 1e-9):.0f}", refresh=False)
+            bar.set_postfix(
+                loss=f"{float(loss.detach()):.4g}",
+                samples_s=f"{self._samples / max(elapsed, 1e-9):.0f}",
+                refresh=False,
+            )
 
     def end_epoch(self, metrics: dict[str, float] | None = None) -> None:
         if self._bar is None:
             return
-        if metrics:
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
+        # A short epoch may never redraw during its steps: show the last loss (and the
+        # validation metrics) in the bar's final line.
+        postfix: dict[str, str] = {}
+        if self._loss is not None:
+            elapsed = time.perf_counter() - self._start
+            postfix["loss"] = f"{float(self._loss.detach()):.4g}"
+            postfix["samples_s"] = f"{self._samples / max(elapsed, 1e-9):.0f}"
+        postfix.update({k: f"{v:.4g}" for k, v in (metrics or {}).items()})
+        if postfix:
+            self._bar.set_postfix(postfix, refresh=False)
+        self._loss = None
         self._bar.close()
         self._bar = None

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from cardcage import checkpoint, loop, plugins
+from cardcage import checkpoint, devices, loop, plugins
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
@@ -59,16 +61,28 @@ class Trainer:
                 "when stderr is a terminal)."
             )
         self.selection: Selection = select(
-            gpus=gpus, tpu_cores=tpu_cores, num_processes=num_processes, num_nodes=num_nodes,
-            distributed_backend=distributed_backend, auto_select_gpus=auto_select_gpus,
-            log_gpu_memory=log_gpu_memory, sync_batchnorm=sync_batchnorm, benchmark=benchmark,
-            replace_sampler_ddp=replace_sampler_ddp, precision=precision,
-            max_epochs=max_epochs, max_steps=max_steps, default_root_dir=default_root_dir,
-            resume_from_checkpoint=resume_from_checkpoint, **unknown,
+            gpus=gpus,
+            tpu_cores=tpu_cores,
+            num_processes=num_processes,
+            num_nodes=num_nodes,
+            distributed_backend=distributed_backend,
+            auto_select_gpus=auto_select_gpus,
+            log_gpu_memory=log_gpu_memory,
+            sync_batchnorm=sync_batchnorm,
+            benchmark=benchmark,
+            replace_sampler_ddp=replace_sampler_ddp,
+            precision=precision,
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            default_root_dir=default_root_dir,
+            resume_from_checkpoint=resume_from_checkpoint,
+            **unknown,
         )
         self.flags = self.selection.flags
-        self._registry = plugins.registry(os.environ)
-        backend = self._registry.accelerators[self.selection.accelerator].cls
+        registry = plugins.registry(os.environ)
+        self._registry: plugins.Registry | None = registry
+        backend = registry.accelerators[self.selection.accelerator].cls
+        backend.check_precision(self.selection)
         self.accelerator: Accelerator = backend(self.selection)
         self.progress_bar_flag = progress_bar
         self.progress = ProgressBar(False)
@@ -80,6 +94,7 @@ class Trainer:
         self.global_step = 0
         self.batch_idx = 0
         self.epoch_rng: dict[str, Any] | None = None
+        self.in_epoch = False  # inside an epoch's batches (a save from training_step)
         self.logged_metrics: dict[str, float] = {}
         self.losses: list[float] = []
         self._resume: dict[str, Any] | None = None
@@ -110,19 +125,23 @@ class Trainer:
         self.val_dataloaders = _loaders(val_dataloaders)
         if self.flags.benchmark:
             torch.backends.cudnn.benchmark = True
-        hooks = self._registry.hooks
-        self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
+        if self.selection.gpu_ids:
+            devices.apply_cuda_environment(
+                self.selection.gpu_ids,
+                slurm_managing_tasks=self.selection.cluster == "slurm",
+            )
+        self.results = self._hooks().cardcage_train(trainer=self, accelerator=self.accelerator)
         return self.results
 
-    def validate(self, model: torch.nn.Module | None = None, dataloaders: Any = None) -> dict[
-        str, float
-    ]:
+    def validate(
+        self, model: torch.nn.Module | None = None, dataloaders: Any = None
+    ) -> dict[str, float]:
         """Run ``validation_step`` over the validation loaders; return the mean metrics."""
         return self._evaluate(model, dataloaders, "validation_step", "val_dataloader", "val")
 
-    def test(self, model: torch.nn.Module | None = None, dataloaders: Any = None) -> dict[
-        str, float
-    ]:
+    def test(
+        self, model: torch.nn.Module | None = None, dataloaders: Any = None
+    ) -> dict[str, float]:
         """Run ``test_step`` over the test loaders; return the mean metrics."""
         return self._evaluate(model, dataloaders, "test_step", "test_dataloader", "test")
 
@@ -141,11 +160,11 @@ class Trainer:
         Runs the ``cardcage_setup`` hook (whose default implementation calls the backend's
         ``setup``), so plugins may wrap it.
         """
-        self._registry.hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+        self._hooks().cardcage_setup(trainer=self, accelerator=self.accelerator)
         self._prepared = True
         self.optimization = configure_optimizers(self.model)
         self.progress = ProgressBar(
-            ProgressBar.wanted(self.progress_bar_flag, self.accelerator.selection.global_rank)
+            ProgressBar.wanted(self.progress_bar_flag, self.accelerator.global_rank)
         )
         path = self.flags.resume_from_checkpoint
         if path is not None:
@@ -157,27 +176,35 @@ class Trainer:
         try:
             loop.fit_loop(self, self.accelerator)
         finally:
+            self.in_epoch = False
             self.progress.end_epoch()
             self.accelerator.teardown(self)
         return None
 
-    def resume_position(self) -> tuple[int, dict[str, Any] | None]:
-        """Batches to skip in the first epoch, and the random state to take after them."""
+    def resume_position(self) -> tuple[int, dict[str, Any] | None, bool]:
+        """Where a resumed run continues inside its first epoch.
+
+        Returns the number of batches to skip, the random state to take after them (``None``
+        when the run resumes at an epoch boundary), and whether to take it after drawing the
+        next batch (the checkpoint was written from inside ``training_step``, once its batch
+        had been drawn) rather than before.
+        """
         state, self._resume = self._resume, None
         if state is None:
-            return 0, None
+            return 0, None, False
         skip = int(state["batch_idx"])
-        if skip and state.get("epoch_rng") is not None:
+        after_fetch = bool(state.get("rng_after_fetch", False))
+        if (skip or after_fetch) and state.get("epoch_rng") is not None:
             checkpoint.set_rng_state(state["epoch_rng"])
             self.epoch_rng = state["epoch_rng"]
-            return skip, state["rng"]
+            return skip, state["rng"], after_fetch
         checkpoint.set_rng_state(state["rng"])
-        return 0, None
+        return 0, None, False
 
     def record_losses(self, losses: list[torch.Tensor]) -> None:
         """Keep an epoch's step losses (one transfer per epoch, not per step)."""
         if losses:
-            values = torch.stack(losses).float().cpu().tolist()
+            values = torch.stack(losses).double().cpu().tolist()  # exact at every precision
             self.losses.extend(values)
             self.logged_metrics["loss"] = values[-1]
         self.logged_metrics["epoch"] = float(self.current_epoch)
@@ -196,8 +223,51 @@ class Trainer:
             "global_step": self.global_step,
             "batch_idx": self.batch_idx,
             "rng": checkpoint.rng_state(),
-            "epoch_rng": self.epoch_rng if self.batch_idx else None,
+            "epoch_rng": self.epoch_rng if self.batch_idx or self.in_epoch else None,
+            "rng_after_fetch": self.in_epoch,
         }
+
+    # -- moving between processes (ddp_spawn) -----------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_registry"] = None  # pluggy's manager stays behind; attach() reloads it
+        state["progress"] = ProgressBar(False)
+        selection = self.selection
+        if selection.environment is not None:
+            selection = dataclasses.replace(selection, environment=None)
+        state["selection"] = selection
+        accelerator = copy.copy(self.accelerator)
+        accelerator.selection = selection
+        state["accelerator"] = accelerator
+        return state
+
+    def _hooks(self) -> Any:
+        self.attach()
+        assert self._registry is not None
+        return self._registry.hooks
+
+    def attach(self) -> None:
+        """Reconnect a trainer that arrived in a new process to this process's plugins."""
+        if self._registry is None:
+            self._registry = plugins.registry(os.environ)
+
+    def export_results(self) -> dict[str, Any]:
+        """What a worker hands back to the launching process: weights, metrics, counters."""
+        return {
+            "state_dict": self.accelerator.unwrapped_model(self).state_dict(),
+            "logged_metrics": dict(self.logged_metrics),
+            "losses": list(self.losses),
+            "global_step": self.global_step,
+            "current_epoch": self.current_epoch,
+        }
+
+    def apply_results(self, result: dict[str, Any]) -> None:
+        """Take the counters and metrics a worker exported (the weights are loaded apart)."""
+        self.logged_metrics = dict(result["logged_metrics"])
+        self.losses = list(result["losses"])
+        self.global_step = int(result["global_step"])
+        self.current_epoch = int(result["current_epoch"])
 
     # -- internals --------------------------------------------------------------------------
 
@@ -212,8 +282,9 @@ class Trainer:
             )
         for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
-        for scheduler, saved in zip(self.optimization.schedulers, state["schedulers"],
-                                    strict=False):
+        for scheduler, saved in zip(
+            self.optimization.schedulers, state["schedulers"], strict=False
+        ):
             scheduler.load_state_dict(saved)
         self.accelerator.precision.load_state_dict(state["scaler"])
         self.current_epoch = int(state["epoch"])
@@ -222,7 +293,11 @@ class Trainer:
         self._resume = state
 
     def _evaluate(
-        self, model: torch.nn.Module | None, dataloaders: Any, step: str, source: str,
+        self,
+        model: torch.nn.Module | None,
+        dataloaders: Any,
+        step: str,
+        source: str,
         prefix: str,
     ) -> dict[str, float]:
         if model is not None:
@@ -240,7 +315,7 @@ class Trainer:
                 f"{prefix}: no dataloader. Pass dataloaders=... or add {source}() to the model."
             )
         if not self._prepared:
-            self._registry.hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+            self._hooks().cardcage_setup(trainer=self, accelerator=self.accelerator)
             self._prepared = True
         return loop.evaluate(self, self.accelerator, loaders, step, prefix)
 
@@ -249,5 +324,6 @@ def trainer_flags() -> Sequence[str]:
     """The names of the Trainer's keyword arguments."""
     import inspect
 
-    return [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self",
-                                                                                    "unknown")]
+    return [
+        p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "unknown")
+    ]

@@ -1,0 +1,258 @@
+"""What every torch.distributed backend does in each of its processes.
+
+:class:`DistributedAccelerator` joins the process group (gloo on the CPU, NCCL on GPUs),
+places the model on this rank's device, wraps it in DistributedDataParallel (whose
+construction broadcasts rank 0's weights, so every rank starts identical), shards the data
+with a ``DistributedSampler`` that keeps the user's loader settings, and implements barrier,
+broadcast and reduce. The ``ddp``, ``ddp_spawn`` and ``ddp2`` plugins subclass it and differ
+only in how their processes come to exist; a third-party backend may subclass it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from cardcage import launch
+from cardcage.accelerator import Accelerator
+from cardcage.wrappers import StepRunner
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from cardcage.trainer import Trainer
+
+log = logging.getLogger("cardcage")
+T = TypeVar("T")
+
+# DataLoader settings carried over when the sampler is replaced.
+_LOADER_SETTINGS = (
+    "batch_size",
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "drop_last",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+)
+
+
+def distributed_loader(loader: Any, num_replicas: int, rank: int) -> Any:
+    """``loader`` with a ``DistributedSampler`` in place of its default sampler.
+
+    Shuffles only if the user shuffled; keeps batch size, workers, collate function,
+    ``drop_last`` and the rest. A loader with the user's own sampler or batch sampler, or
+    one that is not a ``DataLoader``, is returned unchanged.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if type(loader.sampler) not in (RandomSampler, SequentialSampler):
+        return loader
+    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+        return loader
+    if loader.batch_size is None:
+        return loader
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        loader.dataset,
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=shuffle,
+        drop_last=loader.drop_last,
+    )
+    settings = {name: getattr(loader, name) for name in _LOADER_SETTINGS if hasattr(loader, name)}
+    if not settings.get("num_workers"):
+        settings.pop("prefetch_factor", None)
+        settings["persistent_workers"] = False
+    return type(loader)(loader.dataset, sampler=sampler, **settings)
+
+
+def cpu_threads_per_process(local_world_size: int) -> int | None:
+    """Each local process's share of the cores, unless the user set ``OMP_NUM_THREADS``."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // max(local_world_size, 1))
+
+
+class DistributedAccelerator(Accelerator):
+    """Base of backends that train one torch.distributed rank per process."""
+
+    #: ``None`` picks NCCL for CUDA devices and gloo otherwise.
+    process_group_backend: ClassVar[str | None] = None
+
+    def __init__(self, selection: Any):
+        super().__init__(selection)
+        self.parallel: torch.nn.Module | None = None
+        self.local_world_size = selection.num_processes
+
+    # -- process identity -----------------------------------------------------------------
+
+    def read_rank_environment(self) -> None:
+        """Take this process's ranks from the launcher's variables when it set them."""
+        env = os.environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            self.global_rank = int(env["RANK"])
+            self.world_size = int(env["WORLD_SIZE"])
+            self.local_rank = int(env.get("LOCAL_RANK", "0"))
+            self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", self.local_world_size))
+
+    def device_for_rank(self) -> torch.device:
+        gpu_ids = self.selection.gpu_ids
+        if gpu_ids:
+            return torch.device("cuda", gpu_ids[self.local_rank % len(gpu_ids)])
+        return torch.device("cpu")
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def init_process_group(self) -> None:
+        """Join the job's process group (once per process)."""
+        if dist.is_initialized():
+            return
+        backend = self.process_group_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        timeout = timedelta(seconds=launch.init_timeout())
+        address = os.environ.get("MASTER_ADDR") or self.selection.master_address or "127.0.0.1"
+        port = os.environ.get("MASTER_PORT") or str(self.selection.master_port or "")
+        store = launch.hosted_store()
+        if store is None and os.environ.get(launch.HOSTED_STORE) == "1":
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            store = TCPStore(address, int(port), is_master=False, timeout=timeout)
+        if store is not None:
+            store.set(launch.arrival_key(self.global_rank), str(os.getpid()))
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+        else:
+            if not port:
+                raise RuntimeError("no MASTER_PORT for the process group")
+            os.environ.setdefault("MASTER_ADDR", address)
+            os.environ.setdefault("MASTER_PORT", port)
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+        log.info(
+            "cardcage: rank %d of %d joined the %s process group",
+            self.global_rank,
+            self.world_size,
+            backend,
+        )
+
+    def setup(self, trainer: Trainer) -> None:
+        self.read_rank_environment()
+        self.device = self.device_for_rank()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self.moves_batches = True
+        else:
+            threads = cpu_threads_per_process(self.local_world_size)
+            if threads is not None:
+                torch.set_num_threads(threads)
+                if self.local_rank == 0:
+                    log.info(
+                        "cardcage: %d torch thread(s) per process (%d cores, %d local "
+                        "processes); set OMP_NUM_THREADS to choose",
+                        threads,
+                        os.cpu_count() or 1,
+                        self.local_world_size,
+                    )
+        self.init_process_group()
+        model = trainer.model
+        if trainer.flags.sync_batchnorm:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+            trainer.model = model
+        model.to(self.device)
+        super().setup(trainer)
+        if self.device.type == "cuda":
+            self.precision.check_device()
+            self.moves_batches = True
+        self.parallel = self.wrap(model)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module whose forward runs a step and synchronises gradients."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            StepRunner(model, self.precision.autocast), device_ids=device_ids
+        )
+
+    # -- the loop's calls -------------------------------------------------------------------
+
+    def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
+        parallel = self.parallel
+        if name != "training_step" or parallel is None:
+            return super().step_function(model, name)  # no gradients to synchronise
+
+        def step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+            return parallel(name, batch, batch_idx, *args, **kwargs)
+
+        return step
+
+    def process_dataloader(self, loader: Any, *, train: bool) -> Any:
+        if not self.selection.flags.replace_sampler_ddp:
+            return loader
+        return distributed_loader(loader, self.world_size, self.global_rank)
+
+    def on_epoch_start(self, epoch: int, loader: Any) -> None:
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(epoch)
+
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        if not dist.is_initialized():
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor / self.world_size if op == "mean" else tensor
+
+    # -- processes ------------------------------------------------------------------------
+
+    def train(self, trainer: Trainer) -> Any:
+        """Script relaunch: this process trains as local rank 0 and re-runs the script for
+        the other local ranks, unless a cluster (or an earlier launch) made the processes.
+        """
+        selection = self.selection
+        supervisor = launch.current_supervisor()
+        if supervisor is None and not selection.processes_created_outside:
+            supervisor = launch.relaunch_script(
+                node_rank=selection.node_rank,
+                processes_per_node=selection.num_processes,
+                num_nodes=selection.num_nodes,
+                master_address=selection.master_address or launch.DEFAULT_ADDRESS,
+                master_port=selection.master_port,
+                gpu_ids=selection.gpu_ids,
+            )
+        if supervisor is None:
+            return trainer.run_fit_loop()
+        with supervisor.supervising():
+            return trainer.run_fit_loop()

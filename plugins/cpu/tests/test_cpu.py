@@ -1,0 +1,46 @@
+"""Tests of cardcage-cpu. They pass with only cardcage-core and this plugin installed, and in
+a full install: every selection loads this plugin alone (``ALONE``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cardcage import MisconfigurationError, plugins, select
+
+ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "cpu"}
+
+
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend torch sees one GPU (selection counts GPUs through these two calls only)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+def test_it_is_discovered_through_its_entry_point() -> None:
+    found = plugins.registry({}).accelerators["cpu"]
+    assert (found.plugin, found.distribution) == ("cpu", "cardcage-cpu")
+
+
+def test_it_claims_any_job_nobody_else_claims() -> None:
+    selection = select(env=ALONE, num_processes=4)
+    assert (selection.accelerator, selection.rule) == ("cpu", "cpu_fallback")
+    assert (selection.num_processes, selection.world_size) == (1, 1)
+
+
+def test_named_it_trains_in_one_process_and_says_so() -> None:
+    selection = select(env=ALONE, distributed_backend="cpu", num_processes=2)
+    assert (selection.accelerator, selection.num_processes) == ("cpu", 1)
+    assert "num_processes=2 is ignored" in selection.warnings[0]
+
+
+def test_named_it_drops_requested_gpus_and_says_so(one_gpu: None) -> None:
+    selection = select(env=ALONE, distributed_backend="cpu", gpus=1)
+    assert (selection.accelerator, selection.gpu_ids) == ("cpu", None)
+    assert "gpus=1 is ignored" in selection.warnings[0]
+
+
+def test_it_refuses_several_nodes() -> None:
+    with pytest.raises(MisconfigurationError, match=r"'cpu' runs on one node, but num_nodes=2"):
+        select(env=ALONE, distributed_backend="cpu", num_nodes=2)
