@@ -1,18 +1,31 @@
 """The ddp2 backend: one process per node, DataParallel across that node's GPUs, gradients
-averaged across nodes. Only ever chosen by name.
+averaged across nodes before each optimizer step. Only ever chosen by name.
 
-With no GPU on a single node it hands the job to the CPU (as Lightning 1.0 did); with no GPU
-on several nodes it still runs one CPU process per node.
+Lightning 1.0 built ddp2 on single-process multi-device DistributedDataParallel, which
+torch has since removed. Here each node's process runs the step in DataParallel replicas
+(the batch is split over the node's GPUs, outputs gathered and reduced on the root GPU, as
+with ``dp``), and after backward the gradients are averaged over the nodes with one
+all-reduce. The data is sharded per node. With no GPU on a single node it hands the job to
+the CPU (as Lightning 1.0 did); with no GPU on several nodes each node trains one CPU process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
 import cardcage
 from cardcage import Accelerator, Availability, Resolution, SelectionContext
 from cardcage.accelerator import cuda_availability
+from cardcage.distributed import DistributedAccelerator
+from cardcage.wrappers import StepRunner, data_parallel_step
 
 
-class DDP2Accelerator(Accelerator):
+class DDP2Accelerator(DistributedAccelerator):
     name = "ddp2"
     rules = ()
 
@@ -42,6 +55,44 @@ class DDP2Accelerator(Accelerator):
     @classmethod
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         return 1
+
+    def device_for_rank(self) -> torch.device:
+        gpu_ids = self.selection.gpu_ids
+        return torch.device("cuda", gpu_ids[0]) if gpu_ids else torch.device("cpu")
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        runner = StepRunner(model, self.precision.autocast)
+        gpu_ids = self.selection.gpu_ids
+        return torch.nn.DataParallel(runner, device_ids=gpu_ids) if gpu_ids else runner
+
+    def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
+        if self.selection.gpu_ids and self.parallel is not None:
+            return data_parallel_step(self.parallel, model, name)
+        return (
+            super().step_function(model, name)
+            if name != "training_step"
+            else (getattr(model, name))
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        if self.world_size > 1 and dist.is_initialized():
+            self._average_gradients()
+
+    def _average_gradients(self) -> None:
+        """One all-reduce of every gradient, flattened, divided by the number of nodes."""
+        grads = [p.grad for p in self.parallel_parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.world_size
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(averaged)
+
+    def parallel_parameters(self) -> list[torch.nn.Parameter]:
+        assert self.parallel is not None
+        return list(self.parallel.parameters())
 
 
 @cardcage.hookimpl
