@@ -224,6 +224,13 @@ class Accelerator:
         """Compute gradients (scaled at precision 16); ddp2 also averages them across nodes."""
         self.precision.backward(loss)
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step one optimizer (through the grad scaler at precision 16)."""
+        self.precision.step(optimizer)
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """Adapt ``trainer.optimization`` after ``configure_optimizers`` (e.g. wrap them)."""
+
     def on_epoch_start(self, epoch: int, loader: Any) -> None:
         """Called before each training epoch (distributed samplers reshuffle here)."""
 

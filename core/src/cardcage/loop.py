@@ -56,7 +56,7 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
     step = accelerator.step_function(model, "training_step")
     to_device = accelerator.batch_to_device if accelerator.moves_batches else None
     autocast = precision.autocast
-    backward, optimizer_step = accelerator.backward, precision.step
+    backward, optimizer_step = accelerator.backward, accelerator.optimizer_step
     bar = trainer.progress
     max_steps = trainer.flags.max_steps or math.inf
     max_epochs = trainer.flags.max_epochs or (math.inf if trainer.flags.max_steps else 1)
@@ -139,7 +139,7 @@ def _per_optimizer_step(
                 output = step(batch, batch_idx, optimizer_idx=index)
         loss = extract_loss(output)
         accelerator.backward(loss)
-        precision.step(optimizer)
+        accelerator.optimizer_step(optimizer)
     return loss
 
 

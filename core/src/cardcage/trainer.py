@@ -163,6 +163,7 @@ class Trainer:
         self._hooks().cardcage_setup(trainer=self, accelerator=self.accelerator)
         self._prepared = True
         self.optimization = configure_optimizers(self.model)
+        self.accelerator.setup_optimizers(self)
         self.progress = ProgressBar(
             ProgressBar.wanted(self.progress_bar_flag, self.accelerator.global_rank)
         )
