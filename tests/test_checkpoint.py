@@ -1,0 +1,364 @@
+"""Checkpoints: resuming equals training straight through, writes are atomic, loads are safe.
+
+Every comparison is against a run that was not interrupted, from the same seed; the models
+have dropout and the loaders shuffle, so a resume that restored the wrong random state (or
+drew the wrong batches) shows up as different weights.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import cardcage
+from cardcage import checkpoint
+
+BATCHES_PER_EPOCH = 8
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCHES_PER_EPOCH * 8, 4, generator=generator)
+    return TensorDataset(x, (x[:, :1] - 2 * x[:, 1:2]).tanh())
+
+
+def loader(shuffle: bool = True) -> DataLoader[Any]:
+    return DataLoader(dataset(), batch_size=8, shuffle=shuffle)
+
+
+class Net(torch.nn.Module):
+    """An MLP with dropout and momentum SGD; ``on_step`` runs at the start of every step."""
+
+    def __init__(self, dropout: float = 0.25, schedule: bool = False):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 32),
+            torch.nn.Tanh(),
+            torch.nn.Dropout(dropout),
+            torch.nn.Linear(32, 1),
+        )
+        self.schedule = schedule
+        self.on_step: Callable[[int], None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.on_step is not None:
+            self.on_step(batch_idx)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if not self.schedule:
+            return optimizer
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)]
+
+
+def fresh_model(**kwargs: Any) -> Net:
+    torch.manual_seed(0)
+    return Net(**kwargs)
+
+
+def straight(epochs: int = 2, shuffle: bool = True, **kwargs: Any) -> dict[str, torch.Tensor]:
+    model = fresh_model(**kwargs)
+    cardcage.Trainer(max_epochs=epochs, progress_bar=False).fit(model, loader(shuffle))
+    return model.state_dict()
+
+
+def assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6, msg=key)
+
+
+def resume(path: Path, epochs: int = 2, shuffle: bool = True, **kwargs: Any) -> cardcage.Trainer:
+    # A fresh model object whose initial weights and random state differ from the saved run.
+    torch.manual_seed(1234)
+    model = Net(**kwargs)
+    trainer = cardcage.Trainer(max_epochs=epochs, resume_from_checkpoint=path, progress_bar=False)
+    trainer.fit(model, loader(shuffle))
+    trainer.model_after = model  # type: ignore[attr-defined]
+    return trainer
+
+
+# -- resuming ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_resume_after_an_epoch_equals_training_straight(
+    tmp_path: Path, shuffle: bool, dropout: float
+) -> None:
+    expected = straight(shuffle=shuffle, dropout=dropout)
+
+    model = fresh_model(dropout=dropout)
+    first = cardcage.Trainer(max_epochs=1, progress_bar=False)
+    first.fit(model, loader(shuffle))
+    path = tmp_path / "epoch1.ckpt"
+    first.save_checkpoint(path)
+
+    resumed = resume(path, shuffle=shuffle, dropout=dropout)
+    assert resumed.current_epoch == 2
+    assert resumed.global_step == 2 * BATCHES_PER_EPOCH
+    assert len(resumed.losses) == BATCHES_PER_EPOCH  # only the second epoch ran
+    assert_close(resumed.model_after.state_dict(), expected)  # type: ignore[attr-defined]
+
+
+def test_resume_restores_the_scheduler_and_momentum(tmp_path: Path) -> None:
+    expected = straight(epochs=3, schedule=True)
+    model = fresh_model(schedule=True)
+    first = cardcage.Trainer(max_epochs=1, progress_bar=False)
+    first.fit(model, loader())
+    first.save_checkpoint(tmp_path / "a.ckpt")
+
+    resumed = resume(tmp_path / "a.ckpt", epochs=3, schedule=True)
+    assert_close(resumed.model_after.state_dict(), expected)  # type: ignore[attr-defined]
+    assert resumed.optimization.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 / 8)
+
+
+@pytest.mark.parametrize("stop", [3, 11])
+def test_resume_after_max_steps_stopped_mid_epoch(tmp_path: Path, stop: int) -> None:
+    expected = straight()
+    model = fresh_model()
+    first = cardcage.Trainer(max_epochs=2, max_steps=stop, progress_bar=False)
+    first.fit(model, loader())
+    assert first.global_step == stop
+    assert first.current_epoch == stop // BATCHES_PER_EPOCH  # the epoch is not over
+    path = tmp_path / "mid.ckpt"
+    first.save_checkpoint(path)
+
+    resumed = resume(path)
+    assert resumed.global_step == 2 * BATCHES_PER_EPOCH
+    assert len(resumed.losses) == 2 * BATCHES_PER_EPOCH - stop
+    assert_close(resumed.model_after.state_dict(), expected)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("at_step", [0, 3, 8, 13])
+def test_checkpoint_saved_inside_training_step_resumes_exactly(
+    tmp_path: Path, at_step: int
+) -> None:
+    """A checkpoint written from inside ``training_step`` (at the first batch of an epoch
+    too) continues at that batch, with that batch's random state."""
+    expected = straight()
+    path = tmp_path / "inside.ckpt"
+    model = fresh_model()
+    trainer = cardcage.Trainer(max_epochs=2, progress_bar=False)
+
+    def save(batch_idx: int) -> None:
+        if trainer.global_step == at_step:
+            assert batch_idx == at_step % BATCHES_PER_EPOCH
+            trainer.save_checkpoint(path)
+
+    model.on_step = save
+    trainer.fit(model, loader())
+    # Saving changed nothing in the run that saved.
+    assert_close(model.state_dict(), expected)
+    saved = checkpoint.load(path)
+    assert saved["global_step"] == at_step
+
+    resumed = resume(path)
+    assert resumed.global_step == 2 * BATCHES_PER_EPOCH
+    assert len(resumed.losses) == 2 * BATCHES_PER_EPOCH - at_step
+    assert_close(resumed.model_after.state_dict(), expected)  # type: ignore[attr-defined]
+
+
+def test_a_resumed_run_can_save_and_resume_again(tmp_path: Path) -> None:
+    expected = straight(epochs=3)
+    model = fresh_model()
+    first = cardcage.Trainer(max_epochs=3, max_steps=5, progress_bar=False)
+    first.fit(model, loader())
+    first.save_checkpoint(tmp_path / "one.ckpt")
+
+    torch.manual_seed(99)
+    second_model = Net()
+    second = cardcage.Trainer(
+        max_epochs=3, max_steps=13, progress_bar=False, resume_from_checkpoint=tmp_path / "one.ckpt"
+    )
+    second.fit(second_model, loader())
+    second.save_checkpoint(tmp_path / "two.ckpt")
+
+    resumed = resume(tmp_path / "two.ckpt", epochs=3)
+    assert_close(resumed.model_after.state_dict(), expected)  # type: ignore[attr-defined]
+
+
+def test_checkpoint_contents(tmp_path: Path) -> None:
+    model = fresh_model()
+    trainer = cardcage.Trainer(max_epochs=1, progress_bar=False)
+    trainer.fit(model, loader())
+    trainer.save_checkpoint(tmp_path / "sub" / "c.ckpt")  # the folder is created
+    state = checkpoint.load(tmp_path / "sub" / "c.ckpt")
+    assert state["format"] == checkpoint.FORMAT
+    assert state["cardcage_version"] == cardcage.__version__
+    assert (state["epoch"], state["global_step"], state["batch_idx"]) == (1, BATCHES_PER_EPOCH, 0)
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["state_dict"][key], value)
+    assert state["optimizers"][0]["state"]  # momentum buffers
+    # Nothing but the checkpoint is left in the folder (no temporary file).
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["c.ckpt"]
+
+
+def test_resume_with_another_number_of_optimizers_is_refused(tmp_path: Path) -> None:
+    model = fresh_model()
+    trainer = cardcage.Trainer(progress_bar=False)
+    trainer.fit(model, loader())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+
+    class TwoOptimizers(Net):
+        def configure_optimizers(self) -> Any:
+            return [
+                torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                torch.optim.SGD(self.net[3].parameters(), lr=0.1),
+            ]
+
+    other = cardcage.Trainer(max_epochs=2, resume_from_checkpoint=tmp_path / "c.ckpt")
+    with pytest.raises(cardcage.MisconfigurationError, match="optimizer"):
+        other.fit(TwoOptimizers(), loader())
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+_unpickled: list[str] = []
+
+
+def _record_unpickling(tag: str) -> str:
+    _unpickled.append(tag)
+    return tag
+
+
+class Payload:
+    """Pickles as a call to ``_record_unpickling``: loading it would run code."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_record_unpickling, ("ran",))
+
+
+def test_load_uses_weights_only_and_refuses_pickled_objects(tmp_path: Path) -> None:
+    model = fresh_model()
+    trainer = cardcage.Trainer(progress_bar=False)
+    trainer.fit(model, loader())
+    state = trainer.checkpoint_state()
+    state["extra"] = Payload()
+    path = tmp_path / "evil.ckpt"
+    torch.save(state, path)
+
+    _unpickled.clear()
+    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+        checkpoint.load(path)
+    assert _unpickled == []
+    resumed = cardcage.Trainer(max_epochs=2, resume_from_checkpoint=path, progress_bar=False)
+    with pytest.raises(pickle.UnpicklingError):
+        resumed.fit(fresh_model(), loader())
+    assert _unpickled == []
+    # The payload does run code when loaded without weights_only: the refusal above mattered.
+    torch.load(path, weights_only=False)
+    assert _unpickled == ["ran"]
+
+
+def test_load_refuses_missing_and_foreign_files(tmp_path: Path) -> None:
+    with pytest.raises(cardcage.MisconfigurationError, match="does not exist"):
+        checkpoint.load(tmp_path / "nope.ckpt")
+    torch.save({"state_dict": {}}, tmp_path / "foreign.pt")
+    with pytest.raises(cardcage.MisconfigurationError, match="not a cardcage checkpoint"):
+        checkpoint.load(tmp_path / "foreign.pt")
+    # The Trainer checks the path when it is constructed, before anything runs.
+    with pytest.raises(cardcage.MisconfigurationError, match=r"nope\.ckpt"):
+        cardcage.Trainer(resume_from_checkpoint=tmp_path / "nope.ckpt")
+
+
+# -- a crash while writing --------------------------------------------------------------------
+
+WRITER = textwrap.dedent(
+    """
+    import io, os, sys, time
+    import torch
+    from cardcage import checkpoint
+
+    payload_path, path = sys.argv[1:]
+    payload = torch.load(payload_path, weights_only=True)
+    checkpoint.save_atomic(payload, path)  # checkpoint 1, complete
+    print("saved", payload["global_step"], flush=True)
+
+    # Checkpoint 2 is large, and its writer stops (for the parent to kill it) once half of
+    # it has reached the temporary file.
+    payload["global_step"] = 999
+    payload["state_dict"]["ballast"] = torch.randn(4_000_000)
+    real_fdopen = os.fdopen
+
+    class Stalling(io.BufferedWriter):
+        written = 0
+
+        def write(self, data):
+            n = super().write(data)
+            Stalling.written += n
+            if Stalling.written > 8_000_000:
+                self.flush()
+                print("writing", flush=True)
+                time.sleep(600)
+            return n
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        if mode == "wb":
+            return Stalling(io.FileIO(fd, "wb"))
+        return real_fdopen(fd, mode, *args, **kwargs)
+
+    os.fdopen = fdopen
+    checkpoint.save_atomic(payload, path)
+    print("finished", flush=True)
+    """
+)
+
+
+def test_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """A writer process killed (SIGKILL) halfway through a large checkpoint leaves the
+    previous checkpoint in place, loadable, and a new run resumes from it."""
+    model = fresh_model()
+    first = cardcage.Trainer(max_epochs=1, progress_bar=False)
+    first.fit(model, loader())
+    torch.save(first.checkpoint_state(), tmp_path / "payload.pt")
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "last.ckpt"
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path / "payload.pt"), str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stderr is not None
+        first_line = child.stdout.readline()
+        assert first_line.split() == ["saved", str(BATCHES_PER_EPOCH)], child.stderr.read()
+        assert child.stdout.readline().strip() == "writing"
+        partial = [p for p in path.parent.iterdir() if p != path]
+        assert len(partial) == 1 and partial[0].suffix == ".tmp"
+        assert partial[0].stat().st_size > 8_000_000
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+
+    # The half-written file is not a checkpoint; the target is still checkpoint 1.
+    with pytest.raises(Exception):  # noqa: B017 - torch's error for a truncated zip
+        torch.load(partial[0], weights_only=True)
+    state = checkpoint.load(path)
+    assert state["global_step"] == BATCHES_PER_EPOCH
+    assert "ballast" not in state["state_dict"]
+
+    # And a new run resumes from it: equal to two epochs straight.
+    resumed = resume(path)
+    assert resumed.global_step == 2 * BATCHES_PER_EPOCH
+    assert_close(resumed.model_after.state_dict(), straight())  # type: ignore[attr-defined]
