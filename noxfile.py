@@ -88,7 +88,13 @@ def core(session: nox.Session) -> None:
     session.run("pytest", "core/tests", "tests", *session.posargs)
 
 
-@nox.session
+# slurm, horovod and tpu are not in the default run yet: each installs a heavy engine (SLURM
+# daemons, a Horovod build, a second torch for torch-xla) and joins `nox` (and so CI) once its
+# issue's acceptance has been seen to hold on a clean checkout. Run them by name meanwhile.
+HEAVY = ("slurm", "horovod", "tpu")
+
+
+@nox.session(default=False)
 def slurm(session: nox.Session) -> None:
     """tests/slurm: srun, sbatch and requeue on a private SLURM cluster the tests start."""
     plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn")
@@ -136,7 +142,7 @@ def _backend_session(name: str) -> None:
         session.run("pytest", f"plugins/{name}/tests", *session.posargs)
 
     session_function.__doc__ = f"plugins/{name}/tests, with the core and cardcage-{name} alone."
-    nox.session(name=name, tags=["backends"])(session_function)
+    nox.session(name=name, tags=["backends"], default=name not in HEAVY)(session_function)
 
 
 for _name in BACKENDS:
@@ -155,23 +161,22 @@ WHEELHOUSE = Path(
 )
 
 
-@nox.session(tags=["backends"])
+@nox.session(tags=["backends"], default=False)
 def tpu(session: nox.Session) -> None:
     """plugins/tpu/tests on XLA's CPU device, with the core, cardcage-tpu and torch-xla alone.
 
     Runs with PJRT_DEVICE=CPU. Its own torch (2.9.0, the release torch-xla 2.9.0 is built
-    for) comes from a wheelhouse filled on the first run; a reused environment skips the
-    download and the install altogether.
+    for) is installed from a wheelhouse, downloaded into on the first run only; a reused
+    environment skips the install altogether.
     """
-    installed = session.run(
-        "python", "-c", ENGINE_VERSIONS, silent=True, success_codes=[0, 1], log=False
-    )
     wanted = " ".join(TPU_ENGINE)
-    if (installed or "").strip() != wanted:
-        session.run(
-            "python", "-m", "pip", "download", "--quiet", "--dest", str(WHEELHOUSE), *TPU_ENGINE
-        )
-        session.install("--no-index", "--find-links", str(WHEELHOUSE), *TPU_ENGINE)
+    if _engine(session) != wanted:
+        from_wheelhouse = ("--no-index", "--find-links", str(WHEELHOUSE), *TPU_ENGINE)
+        # Offline first; only a wheelhouse that lacks a wheel sends pip to the index.
+        session.run("python", "-m", "pip", "install", *from_wheelhouse, success_codes=[0, 1])
+        if _engine(session) != wanted:
+            session.run("python", "-m", "pip", "download", "-q", "-d", str(WHEELHOUSE), *TPU_ENGINE)
+            session.install(*from_wheelhouse)
     session.install(*BUILD)
     session.install("--no-build-isolation", "-e", "./core", "-e", "./plugins/tpu", TOOLS["pytest"])
     env = {"PJRT_DEVICE": "CPU"}
@@ -180,7 +185,12 @@ def tpu(session: nox.Session) -> None:
     session.run("pytest", "plugins/tpu/tests", *session.posargs, env=env)
 
 
-# Prints "torch==X torch-xla==Y" as installed in the session's environment.
+def _engine(session: nox.Session) -> str:
+    """``torch==X torch-xla==Y`` as installed in the session's environment, or ``""``."""
+    output = session.run("python", "-c", ENGINE_VERSIONS, silent=True, success_codes=[0, 1])
+    return str(output or "").strip()
+
+
 ENGINE_VERSIONS = """
 import importlib.metadata as m
 try:

@@ -252,6 +252,14 @@ class Accelerator:
         """The user's module, without any wrapper this backend added."""
         return trainer.model
 
+    def portable(self, obj: T) -> T:
+        """``obj`` (a checkpoint, a worker's results) as ``torch.save`` should write it.
+
+        The default returns it unchanged; a backend whose tensors cannot be saved as they are
+        (XLA's) moves them to the CPU here.
+        """
+        return obj
+
     def teardown(self, trainer: Trainer) -> None:
         """Release what ``setup`` took (process groups, devices)."""
 

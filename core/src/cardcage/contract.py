@@ -4,9 +4,11 @@ A model has ``training_step(batch, batch_idx)`` returning a loss tensor or a dic
 ``"loss"``, and ``configure_optimizers()`` returning an optimizer, a list of them, a pair
 ``(optimizers, schedulers)``, or a dict with ``"optimizer"`` and ``"lr_scheduler"``.
 ``train_dataloader()``, ``val_dataloader()``, ``test_dataloader()``, ``validation_step`` and
-``test_step`` are optional. With several optimizers, a ``training_step`` that accepts
-``optimizer_idx`` is called once per optimizer; otherwise it is called once and every
-optimizer steps.
+``test_step`` are optional, and so is ``on_after_backward()``: called after every backward and
+before the optimizer step, with the gradients the optimizer will use (averaged across
+processes, and unscaled at precision 16), it is where gradients are clipped or inspected.
+With several optimizers, a ``training_step`` that accepts ``optimizer_idx`` is called once
+per optimizer; otherwise it is called once and every optimizer steps.
 """
 
 from __future__ import annotations

@@ -253,6 +253,10 @@ class DistributedAccelerator(Accelerator):
                 gpu_ids=selection.gpu_ids,
             )
         if supervisor is None:
-            return trainer.run_fit_loop()
-        with supervisor.supervising():
-            return trainer.run_fit_loop()
+            try:
+                return trainer.run_fit_loop()
+            except BaseException as error:
+                # A relaunched child: its traceback goes to the launcher's RankFailedError.
+                launch.write_error_file(error)
+                raise
+        return supervisor.run(trainer.run_fit_loop)

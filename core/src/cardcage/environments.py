@@ -5,11 +5,17 @@ env:// launcher (200, so ``torchrun`` inside a SLURM allocation is torchrun's), 
 tasks (300), then the local machine. Plugins add environments through the
 ``cardcage_cluster_environments`` hook. A ``MASTER_ADDR`` or ``MASTER_PORT`` already in the
 environment always wins over a derived one.
+
+An environment that can requeue its job (SLURM) names the signal that asks for a requeue
+(``requeue_signal_default``, overridden by ``CARDCAGE_REQUEUE_SIGNAL``) and implements
+``requeue``; :mod:`cardcage.requeue` does the rest.
 """
 
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -17,6 +23,8 @@ from cardcage.errors import MisconfigurationError
 
 INTERACTIVE_SLURM_JOB_NAMES = ("bash", "interactive")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+REQUEUE_SIGNAL = "CARDCAGE_REQUEUE_SIGNAL"
+REQUEUE_OFF = ("", "0", "none", "off", "no", "false")
 
 
 def env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
@@ -49,6 +57,24 @@ def _master_port(env: Mapping[str, str]) -> int | None:
     return port
 
 
+def parse_signal(value: str, source: str = REQUEUE_SIGNAL) -> signal.Signals | None:
+    """A signal named like ``USR1``, ``SIGUSR1`` or ``10``; ``None`` for ``none``/``off``/``0``."""
+    text = value.strip()
+    if text.lower() in REQUEUE_OFF:
+        return None
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        name = text.upper()
+        return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        pass
+    raise MisconfigurationError(
+        f"{source}={value!r} is not a signal. Use a name such as USR1 or USR2 (the one given "
+        "to sbatch --signal), a number, or none to turn checkpoint-and-requeue off."
+    )
+
+
 class ClusterEnvironment:
     """Base class of a cluster environment. Subclass it and register the subclass.
 
@@ -56,6 +82,8 @@ class ClusterEnvironment:
         name: what ``Selection.cluster`` reports.
         order: detection order; lower is tried first.
         variables: environment variables ``cardcage env`` shows for this environment.
+        requeue_signal_default: the signal that asks the job to checkpoint and requeue
+            itself, or ``None`` when this environment cannot requeue (the default).
 
     An instance reads one environment mapping; ``expected_world_size`` is the number of
     processes the flags ask for (``num_nodes`` x processes per node).
@@ -100,6 +128,37 @@ class ClusterEnvironment:
     def master_port(self) -> int | None:
         """The rendezvous port, or ``None`` when a free one is to be chosen at launch."""
         return _master_port(self.env)
+
+    # -- checkpoint and requeue (see cardcage.requeue) ------------------------------------
+
+    requeue_signal_default: ClassVar[str | None] = None
+
+    def requeue_signal(self) -> signal.Signals | None:
+        """The signal that asks for checkpoint-and-requeue, or ``None`` when it is off.
+
+        ``CARDCAGE_REQUEUE_SIGNAL`` (a name such as ``USR2``, a number, or ``none``)
+        overrides ``requeue_signal_default``. Raises
+        :class:`~cardcage.MisconfigurationError` for a value that is not a signal.
+        """
+        if self.requeue_signal_default is None:
+            return None
+        return parse_signal(self.env.get(REQUEUE_SIGNAL, self.requeue_signal_default))
+
+    def job_id(self) -> str | None:
+        """The scheduler's id of this job (it names the requeue checkpoint)."""
+        return None
+
+    def restart_count(self) -> int:
+        """How many times the scheduler restarted (requeued) this job; 0 on its first run."""
+        return 0
+
+    def requeue_dir(self) -> str | None:
+        """Where the requeue checkpoint goes when the Trainer has no ``default_root_dir``."""
+        return None
+
+    def requeue(self) -> None:
+        """Ask the scheduler to requeue this job; raise ``RuntimeError`` when it refuses."""
+        raise RuntimeError(f"the {self.name!r} cluster environment cannot requeue a job")
 
 
 class LocalEnvironment(ClusterEnvironment):
@@ -244,9 +303,14 @@ class SLURMEnvironment(ClusterEnvironment):
         "SLURM_NODEID",
         "SLURM_NODELIST",
         "SLURM_JOB_NODELIST",
+        "SLURM_RESTART_COUNT",
+        "SLURM_SUBMIT_DIR",
         "MASTER_ADDR",
         "MASTER_PORT",
+        REQUEUE_SIGNAL,
     )
+    # sbatch --signal=USR1@90 sends it to every task 90 s before the time limit.
+    requeue_signal_default = "SIGUSR1"
 
     @classmethod
     def detect(cls, env: Mapping[str, str], expected_world_size: int) -> bool:
@@ -298,6 +362,29 @@ class SLURMEnvironment(ClusterEnvironment):
         digits = "".join(c for c in job_id if c.isdigit())
         # The seed's scheme: every task of a job derives the same port without talking.
         return 15000 + int(digits[-4:]) if digits else 12910
+
+    def job_id(self) -> str | None:
+        return self.env.get("SLURM_JOB_ID") or self.env.get("SLURM_JOBID") or None
+
+    def restart_count(self) -> int:
+        return _require_int(self.env, "SLURM_RESTART_COUNT", 0)
+
+    def requeue_dir(self) -> str | None:
+        return self.env.get("SLURM_SUBMIT_DIR") or None
+
+    def requeue(self) -> None:
+        """``scontrol requeue $SLURM_JOB_ID`` (a batch job, submitted requeueable)."""
+        job_id = self.job_id()
+        if not job_id:
+            raise RuntimeError("SLURM_JOB_ID is not set: no job to requeue")
+        command = ["scontrol", "requeue", job_id]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise RuntimeError(f"`{' '.join(command)}` failed: {error}") from None
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).strip()
+            raise RuntimeError(f"`{' '.join(command)}` exited {done.returncode}: {said}")
 
 
 class HorovodEnvironment(ClusterEnvironment):

@@ -25,21 +25,24 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cardcage.errors import MisconfigurationError, RankFailedError
 
 log = logging.getLogger("cardcage")
+T = TypeVar("T")
 
 ERROR_FILE = "CARDCAGE_ERROR_FILE"
 HOSTED_STORE = "CARDCAGE_HOSTED_STORE"
@@ -158,6 +161,14 @@ class Supervisor:
     in_fit: threading.Event = field(default_factory=threading.Event)
     acknowledged: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Whether the watcher may interrupt the main thread (set while a fit runs there).
+    _interruptible: bool = False
+    #: The watcher asked for an interrupt that the main thread has not taken yet.
+    _interrupt_pending: bool = False
+    #: Signals reach the watcher through this socket (``signal.set_wakeup_fd``), whichever
+    #: thread of the process the kernel delivers them to.
+    _wakeup: tuple[socket.socket, socket.socket] | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._watch, name="cardcage-supervisor", daemon=True)
@@ -167,7 +178,7 @@ class Supervisor:
         deadline = time.monotonic() + init_timeout()
         waiting = set(range(self.world_size)) if self.store is not None else set()
         while not self.stopping.is_set():
-            caught = _wait_signal(0.1)
+            caught = self._wait_signal(0.1)
             if caught is not None:
                 self.signal_received = caught
                 self._abort(None)
@@ -215,9 +226,14 @@ class Supervisor:
     def _abort(self, failure: Failure | None) -> None:
         self.failure = failure
         stop_processes([c.pid for c in self.children], [c.poll for c in self.children])
-        if not self.in_fit.is_set():
+        with self._lock:
+            interrupt = self.in_fit.is_set() and self._interruptible
+            if interrupt:
+                self._interrupt_pending = True
+                # Runs _on_signal in the main thread, which raises KeyboardInterrupt there.
+                _thread.interrupt_main()
+        if not interrupt:
             return
-        _thread.interrupt_main()  # raises KeyboardInterrupt in the launcher's main thread
         # A main thread stuck inside a collective (NCCL) cannot take the interrupt: give it a
         # few seconds, then leave anyway rather than hang.
         if not self.acknowledged.wait(10.0):
@@ -225,48 +241,139 @@ class Supervisor:
             print(f"cardcage: {report}", file=sys.stderr, flush=True)
             os._exit(1)
 
-    @contextlib.contextmanager
-    def supervising(self) -> Iterator[None]:
-        """Run a fit under supervision; translate an abort into the right exception."""
+    # -- signals ----------------------------------------------------------------------------
+    #
+    # Blocking SIGINT/SIGTERM in the main thread is not enough: threads that torch started
+    # earlier (the hosted TCPStore's, gloo's) do not block them, and the kernel delivers a
+    # process-directed signal to any such thread, whose default action kills the launcher
+    # before it can stop its children. Instead, Python-level handlers are installed for the
+    # fit: the C-level handler writes the signal number to a wakeup socket (whichever thread
+    # the kernel picked), the watcher reads it there, stops the children and then interrupts
+    # the main thread through the same handler, exactly once.
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """The Python-level SIGINT/SIGTERM handler during a fit (runs in the main thread)."""
+        if self._interrupt_pending:  # the watcher's interrupt_main(), after it stopped all
+            self._interrupt_pending = False
+            raise KeyboardInterrupt
+        # A real signal: the watcher got it from the wakeup socket and stops the job.
+
+    def _catch_signals(self) -> Callable[[], None] | None:
+        """Route SIGINT/SIGTERM to the watcher; returns what restores the previous state."""
+        if self._wakeup is None:
+            pair = socket.socketpair()
+            for end in pair:
+                end.setblocking(False)
+            self._wakeup = pair
+        reader, writer = self._wakeup
+        with contextlib.suppress(OSError):  # stale bytes (an earlier fit's interrupt)
+            while reader.recv(4096):
+                pass
+        try:
+            previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            return None
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            signal.set_wakeup_fd(previous_fd)
+
+        return restore
+
+    def _wait_signal(self, timeout: float) -> int | None:
+        """A SIGINT/SIGTERM the launcher received, waiting up to ``timeout`` seconds."""
+        wakeup = self._wakeup
+        if wakeup is None:
+            time.sleep(timeout)
+            return None
+        try:
+            ready, _, _ = select.select([wakeup[0]], [], [], timeout)
+            data = wakeup[0].recv(4096) if ready else b""
+        except (OSError, ValueError):
+            return None
+        for number in data:
+            if number in SIGNALS:
+                return number
+        return None
+
+    def run(self, function: Callable[[], T]) -> T:
+        """Run ``function`` (a fit, or waiting for spawned workers) under supervision.
+
+        A failing child or a SIGINT/SIGTERM stops every child; then the launcher raises
+        :class:`~cardcage.errors.RankFailedError` (or exits with 128 + the signal number).
+        The watcher's interrupt of the main thread is taken here wherever it lands, inside
+        ``function`` or while this method settles after it: never in the caller.
+        """
+        main = threading.current_thread() is threading.main_thread()
+        restore = self._catch_signals() if main else None
+        with self._lock:
+            self._interruptible = restore is not None
+            self._interrupt_pending = False
         self.in_fit.set()
         self.acknowledged.clear()
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         if self._thread is None or not self._thread.is_alive():
             self.start()
+        error: BaseException | None = None
+        outcome: BaseException | None = None
+        result: Any = None
         try:
-            yield
-        except BaseException as error:
-            caught_at = time.time()
-            if self.failure is None and self.signal_received is None:
-                # A rank that fails takes its peers down with it: give the watcher a moment
-                # to see a child's exit before calling this process the cause.
-                for _ in range(20):
-                    failed = self.failure or self._first_failure()
-                    if failed is not None or self.signal_received is not None:
-                        break
-                    time.sleep(0.1)
-                # A killed child left no traceback and is never a consequence of this error.
-                if failed is not None and (failed.when <= caught_at or not failed.details):
-                    self.failure = failed
+            try:
+                result = function()
+            except BaseException as caught:
+                error = caught
+            ended_at = time.time()
+            while True:
+                try:
+                    with self._lock:  # from here on no interrupt is sent or taken
+                        self._interruptible = False
+                        self._interrupt_pending = False
+                    break
+                except KeyboardInterrupt:  # the watcher's interrupt landed just now
+                    continue
             self.acknowledged.set()
-            stop_processes([c.pid for c in self.children], [c.poll for c in self.children])
-            if self.signal_received is not None:
-                raise SystemExit(128 + self.signal_received) from error
-            if self.failure is not None:
-                raise self.failure.error() from error
-            raise
+            outcome = self._outcome(error, ended_at)
         finally:
             self.in_fit.clear()
             self.acknowledged.set()
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            if restore is not None:
+                restore()
+        if outcome is not None:
+            raise outcome from error
+        if error is not None:
+            raise error
+        return result  # type: ignore[no-any-return]
 
-
-def _wait_signal(timeout: float) -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        caught = signal.sigtimedwait(SIGNALS, timeout)
-        return caught.si_signo if caught is not None else None
-    time.sleep(timeout)
-    return None
+    def _outcome(self, error: BaseException | None, ended_at: float) -> BaseException | None:
+        """What the launcher raises after a fit that ended with ``error`` (None: returned)."""
+        if error is None and self.failure is None and self.signal_received is None:
+            return None
+        if self.failure is None and self.signal_received is None:
+            # A rank that fails takes its peers down with it: give the watcher a moment
+            # to see a child's exit before calling this process the cause.
+            # A child that left a traceback is on its way out, however slowly a loaded
+            # machine lets it finish: wait for its exit a while longer.
+            failed = None
+            deadline, extended = time.monotonic() + 2.0, False
+            while time.monotonic() < deadline:
+                failed = self.failure or self._first_failure()
+                if failed is not None or self.signal_received is not None:
+                    break
+                if not extended and any(
+                    c.poll() is None and c.error_file.exists() for c in self.children
+                ):
+                    deadline, extended = time.monotonic() + STOP_GRACE_S * 3, True
+                time.sleep(0.1)
+            # A killed child left no traceback and is never a consequence of this error.
+            if failed is not None and (failed.when <= ended_at or not failed.details):
+                self.failure = failed
+        stop_processes([c.pid for c in self.children], [c.poll for c in self.children])
+        if self.signal_received is not None:
+            return SystemExit(128 + self.signal_received)
+        if self.failure is not None:
+            return self.failure.error()
+        return None
 
 
 def stop_processes(pids: Sequence[int], polls: Sequence[Callable[[], int | None]]) -> None:
@@ -382,20 +489,9 @@ def relaunch_script(
                 errors / f"rank-{base_rank + local_rank}.txt",
             )
         )
-    os.environ.update(
-        {
-            **{
-                k: v
-                for k, v in env.items()
-                if k not in os.environ
-                or k in ("MASTER_ADDR", "MASTER_PORT", HOSTED_STORE, "WORLD_SIZE")
-            },
-            "LOCAL_RANK": "0",
-            "RANK": str(base_rank),
-            "NODE_RANK": str(node_rank),
-            "LOCAL_WORLD_SIZE": str(processes_per_node),
-        }
-    )
+    # This process is local rank 0 from now on: a later fit joins these processes.
+    os.environ.update(env)
+    os.environ.update({"LOCAL_RANK": "0", "RANK": str(base_rank)})
     supervisor = Supervisor(
         children, store=hosted_store() if hosted else None, world_size=world_size if hosted else 0
     )
@@ -410,7 +506,7 @@ def relaunch_script(
 
 
 def _child_preexec() -> None:
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # the launcher blocks these while training
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # whatever mask the launching thread had
     set_parent_death_signal()
 
 
@@ -471,14 +567,20 @@ def spawn(
     supervisor = Supervisor(
         children, store=hosted_store() if hosted else None, world_size=world_size if hosted else 0
     )
-    with supervisor.supervising():
+
+    def wait() -> None:
         while any(child.poll() is None for child in children):
             time.sleep(0.05)
-    if supervisor.failure is None:
-        failed = supervisor._first_failure()
+
+    try:
+        supervisor.run(wait)
+        # Workers that failed while this process was leaving the wait are failures too
+        # (the watcher may have recorded one already).
+        failed = supervisor.failure or supervisor._first_failure()
         if failed is not None:
             raise failed.error()
-    _hosted.pop("store", None)
+    finally:
+        _hosted.pop("store", None)
     return folder
 
 

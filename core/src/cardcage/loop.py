@@ -61,6 +61,9 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
     max_steps = trainer.flags.max_steps or math.inf
     max_epochs = trainer.flags.max_epochs or (math.inf if trainer.flags.max_steps else 1)
     single = not optimization.per_optimizer_steps
+    after_backward = getattr(model, "on_after_backward", None)
+    if not callable(after_backward):
+        after_backward = None
     skip, resume_rng, rng_after_fetch = trainer.resume_position()
 
     epoch = trainer.current_epoch
@@ -95,10 +98,15 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
                         output = step(batch, batch_idx)
                 loss = output if isinstance(output, torch.Tensor) else extract_loss(output)
                 backward(loss)
+                if after_backward is not None:
+                    precision.unscale(optimizers)
+                    after_backward()
                 for optimizer in optimizers:
                     optimizer_step(optimizer)
             else:
-                loss = _per_optimizer_step(step, batch, batch_idx, optimizers, accelerator)
+                loss = _per_optimizer_step(
+                    step, batch, batch_idx, optimizers, accelerator, after_backward
+                )
             precision.update()
             losses.append(loss.detach())
             trainer.global_step += 1
@@ -107,6 +115,8 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
                 bar.step(loss, batch_size_of(batch))
             if trainer.global_step >= max_steps:
                 break
+            if trainer.global_step == trainer.stop_at_step:  # a requeue signal (requeue.py)
+                trainer.at_stop_step()  # checkpoints and raises Requeued, or returns
         trainer.in_epoch = False
         epoch_done = trainer.global_step < max_steps or trainer.batch_idx == _length(loader)
         trainer.record_losses(losses)
@@ -126,6 +136,7 @@ def _per_optimizer_step(
     batch_idx: int,
     optimizers: list[torch.optim.Optimizer],
     accelerator: Accelerator,
+    after_backward: Any = None,
 ) -> torch.Tensor:
     """Lightning 1.0's multi-optimizer contract: one step per optimizer, ``optimizer_idx``."""
     precision = accelerator.precision
@@ -139,6 +150,9 @@ def _per_optimizer_step(
                 output = step(batch, batch_idx, optimizer_idx=index)
         loss = extract_loss(output)
         accelerator.backward(loss)
+        if after_backward is not None:
+            precision.unscale([optimizer])
+            after_backward()
         accelerator.optimizer_step(optimizer)
     return loss
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -55,6 +55,16 @@ class Precision:
             self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
         else:
             loss.backward()  # type: ignore[no-untyped-call]
+
+    def unscale(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Divide the gradients by the loss scale (precision 16) before code reads them.
+
+        The loop calls it before a model's ``on_after_backward``, so that clipping there works
+        on true gradients; ``step`` then does not unscale again.
+        """
+        if self.scaler is not None:
+            for optimizer in optimizers:
+                self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cardcage import checkpoint, devices, loop, plugins
+from cardcage import checkpoint, devices, loop, plugins, requeue
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
@@ -79,6 +79,7 @@ class Trainer:
             **unknown,
         )
         self.flags = self.selection.flags
+        requeue.check(self.selection)
         registry = plugins.registry(os.environ)
         self._registry: plugins.Registry | None = registry
         backend = registry.accelerators[self.selection.accelerator].cls
@@ -98,6 +99,9 @@ class Trainer:
         self.logged_metrics: dict[str, float] = {}
         self.losses: list[float] = []
         self._resume: dict[str, Any] | None = None
+        #: The step the loop stops at for a requeue (cardcage.requeue); never reached: -1.
+        self.stop_at_step = requeue.NEVER
+        self._requeue: requeue.RequeueHandler | None = None
         self._prepared = False
         self.results: Any = None
 
@@ -160,6 +164,8 @@ class Trainer:
         Runs the ``cardcage_setup`` hook (whose default implementation calls the backend's
         ``setup``), so plugins may wrap it.
         """
+        # Before setup (which may wait for every rank): a requeue signal from now on counts.
+        self._requeue = requeue.handler_for(self)
         self._hooks().cardcage_setup(trainer=self, accelerator=self.accelerator)
         self._prepared = True
         self.optimization = configure_optimizers(self.model)
@@ -168,8 +174,12 @@ class Trainer:
             ProgressBar.wanted(self.progress_bar_flag, self.accelerator.global_rank)
         )
         path = self.flags.resume_from_checkpoint
+        if self._requeue is not None:  # a requeued job resumes from its own checkpoint
+            path = self._requeue.resume_path(path, self.accelerator.global_rank)
         if path is not None:
             self._restore(checkpoint.load(path))
+        if self._requeue is not None:
+            self._requeue.start(self)
 
     def run_fit_loop(self) -> Any:
         """Prepare this process and run the training loop in it (what ``train`` defaults to)."""
@@ -177,10 +187,18 @@ class Trainer:
         try:
             loop.fit_loop(self, self.accelerator)
         finally:
+            if self._requeue is not None:
+                self._requeue.close()
+                self._requeue = None
             self.in_epoch = False
             self.progress.end_epoch()
             self.accelerator.teardown(self)
         return None
+
+    def at_stop_step(self) -> None:
+        """The loop reached ``stop_at_step``: checkpoint and requeue (raises), or go on."""
+        if self._requeue is not None:
+            self._requeue.at_stop_step(self)
 
     def resume_position(self) -> tuple[int, dict[str, Any] | None, bool]:
         """Where a resumed run continues inside its first epoch.
@@ -213,7 +231,7 @@ class Trainer:
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything a resumed run needs, as plain tensors and containers."""
         model = self.accelerator.unwrapped_model(self)
-        return {
+        state = {
             "format": checkpoint.FORMAT,
             "cardcage_version": __version__,
             "state_dict": model.state_dict(),
@@ -227,12 +245,14 @@ class Trainer:
             "epoch_rng": self.epoch_rng if self.batch_idx or self.in_epoch else None,
             "rng_after_fetch": self.in_epoch,
         }
+        return self.accelerator.portable(state)
 
     # -- moving between processes (ddp_spawn) -----------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_registry"] = None  # pluggy's manager stays behind; attach() reloads it
+        state["_requeue"] = None  # threads and a signal handler belong to one process
         state["progress"] = ProgressBar(False)
         selection = self.selection
         if selection.environment is not None:
@@ -255,13 +275,15 @@ class Trainer:
 
     def export_results(self) -> dict[str, Any]:
         """What a worker hands back to the launching process: weights, metrics, counters."""
-        return {
-            "state_dict": self.accelerator.unwrapped_model(self).state_dict(),
-            "logged_metrics": dict(self.logged_metrics),
-            "losses": list(self.losses),
-            "global_step": self.global_step,
-            "current_epoch": self.current_epoch,
-        }
+        return self.accelerator.portable(
+            {
+                "state_dict": self.accelerator.unwrapped_model(self).state_dict(),
+                "logged_metrics": dict(self.logged_metrics),
+                "losses": list(self.losses),
+                "global_step": self.global_step,
+                "current_epoch": self.current_epoch,
+            }
+        )
 
     def apply_results(self, result: dict[str, Any]) -> None:
         """Take the counters and metrics a worker exported (the weights are loaded apart)."""

@@ -1,0 +1,637 @@
+"""Per-step overhead and peak memory of cardcage against a plain PyTorch loop (and Lightning).
+
+Usage::
+
+    python benchmarks/overhead.py                # full: 9 rounds x 2000 steps per variant
+    python benchmarks/overhead.py --quick        # 3 rounds x 600 steps: a smoke run
+    python benchmarks/overhead.py --rounds 15 --steps 4000 --json results.json
+    python benchmarks/overhead.py --loader batched   # cheaper batches: overhead shows more
+    python benchmarks/overhead.py --profile cardcage --width 32   # where the time goes
+
+What it compares, on the CPU with one thread (``torch.set_num_threads(1)``):
+
+* ``plain``: a hand-written loop (``for batch_idx, batch in enumerate(loader)``: ``zero_grad``,
+  ``training_step``, ``backward``, ``step``), no progress bar;
+* ``cardcage``: ``cardcage.Trainer(distributed_backend="cpu", max_steps=N, progress_bar=True)``;
+* ``lightning``: ``pytorch_lightning.Trainer`` (or ``lightning.pytorch``'s) with
+  ``logger=False, enable_checkpointing=False, enable_model_summary=False``, its progress bar
+  on, ``accelerator="cpu", devices=1``; only when one of the two is importable (the ``bench``
+  extra of the top-level ``pyproject.toml`` installs it).
+
+Every variant trains the same module (the same ``training_step`` and ``configure_optimizers``;
+Lightning's is a ``LightningModule`` with that body) on the same data: a ``TensorDataset`` of
+32 features and 10 classes in a ``DataLoader(batch_size=64, shuffle=False)``, SGD with
+momentum, cross entropy, the same seeds and the same number of steps; the trained weights are
+compared with the plain loop's. Two models: ``tiny`` (an MLP of hidden width 32, where the
+framework's overhead is as large a share of a step as it gets) and ``mlp`` (hidden width 256).
+The progress bars write to a real stream (the child's stdout and stderr go to a log file), so
+tqdm does its real work. ``--loader batched`` draws each batch with one index operation
+(``batch_size=None`` over a ``BatchSampler``) instead of 64 ``__getitem__`` calls and a
+collate: the same batches at a fraction of the cost, so the overhead is a larger share.
+
+Each variant runs in a fresh subprocess (imports and memory are its own), and the variants
+are interleaved: every round runs each one once, in a shuffled order, so that load from
+other processes on the machine hits all of them alike. torch's one-time lazy import of
+``torch._dynamo`` (on the first optimizer) is paid before any timing, in every variant.
+
+Timings, per step:
+
+* ``steady``: from the first step of the second epoch to the first step of the last epoch
+  (the module records the time when ``training_step`` sees ``batch_idx == 0``), divided by
+  the steps in between: no warm-up, no setup or teardown, but the per-epoch work (a new
+  loader iterator, a new bar) is in.
+* ``fit``: ``perf_counter`` around ``trainer.fit(...)``, divided by the steps; for ``plain``,
+  around making the optimizer and the loop.
+
+For each, ``ratio`` is the median over rounds of the variant's time divided by the plain
+loop's in the same round, with the quartiles; ``best`` divides the variant's fastest run by
+plain's fastest (less sensitive to bursts of load); ``CPU`` is the median ratio of
+``process_time`` instead of wall-clock time (what the process itself spent, the least
+sensitive to other processes). Peak RSS is the child's ``ru_maxrss`` when it has finished:
+the whole process, imports included (``import cardcage`` loads pluggy and every installed
+backend plugin; Lightning loads far more), with its median difference from plain's.
+
+Targets for cardcage against plain: time ratio at most 1.05 for ``tiny`` and 1.02 for
+``mlp``, on both ``steady`` and ``fit``; peak RSS at most 5 MiB above plain. Lightning is shown
+for reference (known to use 17-22 MiB more than plain). The ``result`` column judges the
+wall-clock medians, then the CPU-time medians (``wall/CPU``); the RSS delta counts in both.
+A missed target is a finding, not an error: the exit status is non-zero only when a run
+fails. On a loaded machine use more rounds and steps, and read the quartiles.
+
+``--profile VARIANT`` trains VARIANT and the plain loop in this process under cProfile and
+prints the functions that took the most per step, then every call per step VARIANT makes
+beyond the plain loop: its overhead, call by call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+FEATURES = 32
+CLASSES = 10
+BATCH = 64
+MODELS = {"tiny": 32, "mlp": 256}
+TIME_TARGETS = {"tiny": 1.05, "mlp": 1.02}
+RSS_TARGET_MIB = 5.0
+TIMINGS = ("steady_step_s", "fit_step_s", "steady_cpu_step_s", "fit_cpu_step_s")
+
+
+# -- one variant, one process ------------------------------------------------------------------
+
+
+def _lightning() -> Any:
+    """The Lightning package: ``pytorch_lightning``, else ``lightning.pytorch``."""
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        import lightning.pytorch as pl  # type: ignore[no-redef]
+    return pl
+
+
+def lightning_available() -> str | None:
+    """The importable Lightning distribution and version, without importing it."""
+    import importlib.metadata as md
+    import importlib.util
+
+    for module, dist in (("pytorch_lightning", "pytorch-lightning"), ("lightning", "lightning")):
+        if importlib.util.find_spec(module) is not None:
+            try:
+                return f"{dist} {md.version(dist)}"
+            except md.PackageNotFoundError:
+                return module
+    return None
+
+
+def build(
+    framework: str, width: int, steps_per_epoch: int, loader_kind: str = "default", seed: int = 0
+) -> tuple[Any, Any]:
+    """The module and the loader every variant trains on (imports the framework)."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+    base: type[nn.Module] = nn.Module
+    if framework == "lightning":
+        base = _lightning().LightningModule
+    elif framework == "cardcage":
+        import cardcage  # noqa: F401  (part of what cardcage costs: pluggy, the plugins)
+
+    perf_counter, process_time = time.perf_counter, time.process_time
+
+    class Model(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(
+                nn.Linear(FEATURES, width),
+                nn.ReLU(),
+                nn.Linear(width, width),
+                nn.ReLU(),
+                nn.Linear(width, CLASSES),
+            )
+            # (perf_counter(), process_time()) at the first step of each epoch
+            self.marks: list[tuple[float, float]] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 0:
+                self.marks.append((perf_counter(), process_time()))
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    # torch imports torch._dynamo (seconds) when the first optimizer is made: a cost of torch,
+    # the same for every variant, paid here, before any timing.
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    torch.manual_seed(seed)
+    n = steps_per_epoch * BATCH
+    dataset = TensorDataset(torch.randn(n, FEATURES), torch.randint(0, CLASSES, (n,)))
+    if loader_kind == "batched":
+        sampler = BatchSampler(SequentialSampler(dataset), BATCH, drop_last=False)
+        loader = DataLoader(dataset, sampler=sampler, batch_size=None)
+    else:
+        loader = DataLoader(dataset, batch_size=BATCH, shuffle=False)
+    torch.manual_seed(seed + 1)
+    return Model(), loader
+
+
+def train(framework: str, model: Any, loader: Any, steps: int) -> tuple[float, float, int]:
+    """Train for ``steps`` steps; return wall and CPU seconds around ``fit``, and the steps.
+
+    For ``plain`` the timed region is what ``fit`` does for the others: make the optimizer,
+    put the module in training mode, loop.
+    """
+    perf_counter, process_time = time.perf_counter, time.process_time
+    if framework == "plain":
+        start, cpu = perf_counter(), process_time()
+        optimizer = model.configure_optimizers()
+        model.train()
+        step = 0
+        while step < steps:
+            for batch_idx, batch in enumerate(loader):
+                optimizer.zero_grad()
+                loss = model.training_step(batch, batch_idx)
+                loss.backward()
+                optimizer.step()
+                step += 1
+                if step >= steps:
+                    break
+        return perf_counter() - start, process_time() - cpu, step
+    if framework == "cardcage":
+        import cardcage
+
+        trainer = cardcage.Trainer(
+            distributed_backend="cpu", max_epochs=None, max_steps=steps, progress_bar=True
+        )
+        assert trainer.selection.accelerator == "cpu", trainer.selection
+    elif framework == "lightning":
+        trainer = _lightning().Trainer(
+            max_steps=steps,
+            max_epochs=-1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=True,
+            accelerator="cpu",
+            devices=1,
+        )
+    else:
+        raise ValueError(f"unknown framework {framework!r}")
+    start, cpu = perf_counter(), process_time()
+    trainer.fit(model, loader)
+    return perf_counter() - start, process_time() - cpu, int(trainer.global_step)
+
+
+def weights_digest(model: Any) -> str:
+    """A digest of the trained weights, to check that two variants did the same work."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one variant in this (fresh) process and return its measurements."""
+    import torch
+
+    torch.set_num_threads(1)
+    steps, steps_per_epoch = spec["steps"], spec["steps_per_epoch"]
+    start = time.perf_counter()
+    model, loader = build(spec["framework"], spec["width"], steps_per_epoch, spec["loader"])
+    setup_s = time.perf_counter() - start
+    elapsed, cpu, done = train(spec["framework"], model, loader, steps)
+    marks = model.marks
+    steady = steady_cpu = None
+    if len(marks) >= 3:
+        between = (len(marks) - 2) * steps_per_epoch
+        steady = (marks[-1][0] - marks[1][0]) / between
+        steady_cpu = (marks[-1][1] - marks[1][1]) / between
+    return {
+        **spec,
+        "steps_done": done,
+        "epochs_seen": len(marks),
+        "steady_step_s": steady,
+        "fit_step_s": elapsed / max(done, 1),
+        "steady_cpu_step_s": steady_cpu,
+        "fit_cpu_step_s": cpu / max(done, 1),
+        "setup_s": setup_s,
+        "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "digest": weights_digest(model),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def run_child(spec: dict[str, Any], log_dir: str) -> dict[str, Any]:
+    """Run ``spec`` in a fresh interpreter, its output (the bars) going to a log file."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    name = f"{spec['framework']}-{spec['model']}-{spec['round']}"
+    log_path = os.path.join(log_dir, name + ".log")
+    out_path = os.path.join(log_dir, name + ".json")
+    command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [*command, "--child-out", out_path],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+            timeout=1800,
+            check=False,
+        )
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        with open(log_path, errors="replace") as log:
+            tail = log.read()[-4000:]
+        raise RuntimeError(
+            f"{spec['framework']}/{spec['model']} (round {spec['round'] + 1}) failed with exit "
+            f"status {proc.returncode}; the end of its output:\n{tail}"
+        )
+    with open(out_path) as f:
+        result: dict[str, Any] = json.load(f)
+    result["log_bytes"] = os.path.getsize(log_path)
+    return result
+
+
+# -- statistics and the table ------------------------------------------------------------------
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def summarise(results: list[dict[str, Any]], frameworks: list[str]) -> list[dict[str, Any]]:
+    """One row per model and framework: medians, per-round ratios to plain, RSS, verdict."""
+    by: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for result in results:
+        by.setdefault((result["framework"], result["model"]), {})[result["round"]] = result
+    rows = []
+    for model in MODELS:
+        plain = by[("plain", model)]
+        for framework in frameworks:
+            runs = by[(framework, model)]
+            rounds = sorted(runs)
+            row: dict[str, Any] = {"model": model, "framework": framework}
+            for key in TIMINGS:
+                values = [runs[i][key] for i in rounds if runs[i][key] is not None]
+                base = [plain[i][key] for i in rounds if plain[i][key] is not None]
+                ratios = [
+                    runs[i][key] / plain[i][key]
+                    for i in rounds
+                    if runs[i][key] is not None and plain[i][key]
+                ]
+                row[key] = statistics.median(values) if values else None
+                row[key + "_ratio"] = _quartiles(ratios) if ratios else None
+                row[key + "_best"] = min(values) / min(base) if values and base else None
+            row["rss_mib"] = statistics.median(runs[i]["maxrss_kib"] / 1024 for i in rounds)
+            row["rss_delta_mib"] = statistics.median(
+                (runs[i]["maxrss_kib"] - plain[i]["maxrss_kib"]) / 1024 for i in rounds
+            )
+            row["setup_s"] = statistics.median(runs[i]["setup_s"] for i in rounds)
+            row["same_weights"] = all(runs[i]["digest"] == plain[i]["digest"] for i in rounds)
+            row["steps_ok"] = all(runs[i]["steps_done"] == runs[i]["steps"] for i in rounds)
+            row["log_bytes"] = statistics.median(runs[i]["log_bytes"] for i in rounds)
+            row["target"], row["verdict"] = {
+                "plain": ("baseline", None),
+                "lightning": ("reference", None),
+            }.get(framework, (f"<={TIME_TARGETS[model]:.2f}x, <=+{RSS_TARGET_MIB:.0f} MiB", None))
+            if framework == "cardcage":
+                rss_ok = row["rss_delta_mib"] <= RSS_TARGET_MIB
+                verdicts = []
+                for keys in (
+                    ("steady_step_s", "fit_step_s"),
+                    ("steady_cpu_step_s", "fit_cpu_step_s"),
+                ):
+                    ok = rss_ok and all(
+                        row[k + "_ratio"] is None or row[k + "_ratio"][1] <= TIME_TARGETS[model]
+                        for k in keys
+                    )
+                    verdicts.append("pass" if ok else "MISS")
+                row["verdict"] = "/".join(verdicts)
+            rows.append(row)
+    return rows
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    if row["framework"] == "plain":
+        return "1"
+    q = row[key + "_ratio"]
+    best = row[key + "_best"]
+    if q is None:
+        return "-"
+    return f"{q[1]:.3f} [{q[0]:.3f}-{q[2]:.3f}] {best:.3f}"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    headers = [
+        "model",
+        "variant",
+        "steady us/step",
+        "ratio [q1-q3] best",
+        "fit us/step",
+        "ratio [q1-q3] best",
+        "CPU ratio st/fit",
+        "peak RSS MiB",
+        "RSS delta",
+        "target",
+        "result wall/CPU",
+    ]
+    table = []
+    for row in rows:
+        base = row["framework"] == "plain"
+        steady = row["steady_step_s"]
+        cpu = [row[k + "_ratio"] for k in ("steady_cpu_step_s", "fit_cpu_step_s")]
+        table.append(
+            [
+                f"{row['model']} (w={MODELS[row['model']]})",
+                row["framework"],
+                f"{steady * 1e6:.1f}" if steady is not None else "-",
+                _ratio(row, "steady_step_s"),
+                f"{row['fit_step_s'] * 1e6:.1f}",
+                _ratio(row, "fit_step_s"),
+                "1" if base else "/".join(f"{q[1]:.3f}" if q else "-" for q in cpu),
+                f"{row['rss_mib']:.1f}",
+                "-" if base else f"{row['rss_delta_mib']:+.1f}",
+                row["target"],
+                row["verdict"] or "-",
+            ]
+        )
+    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    print(line)
+    print("-" * len(line))
+    previous = None
+    for cells, row in zip(table, rows, strict=True):
+        if previous is not None and row["model"] != previous:
+            print()
+        previous = row["model"]
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+    print(
+        "\nus/step: median wall-clock time per step. steady: second epoch to last epoch; fit: "
+        "around fit()\n(plain: around making the optimizer and the loop). ratio: median over "
+        "rounds of the per-round\nratio to plain [quartiles]; best: fastest run / plain's "
+        "fastest. CPU ratio: median per-round\nratio of process_time (steady/fit). result: "
+        "cardcage's targets judged on the wall-clock\nmedians / on the CPU-time medians; "
+        "peak RSS (whole process, imports included) counts in both."
+    )
+
+
+# -- profiling ---------------------------------------------------------------------------------
+
+
+def _profiled(framework: str, width: int, steps: int, spe: int, loader: str) -> tuple[Any, int]:
+    import cProfile
+    import pstats
+
+    model, data = build(framework, width, spe, loader)
+    profiler = cProfile.Profile()
+    with open(os.devnull, "w") as devnull:  # the bars write somewhere real, but not here
+        stderr, stdout = sys.stderr, sys.stdout
+        sys.stderr = sys.stdout = devnull
+        try:
+            profiler.enable()
+            _, _, done = train(framework, model, data, steps)
+            profiler.disable()
+        finally:
+            sys.stderr, sys.stdout = stderr, stdout
+    return pstats.Stats(profiler), done
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    file, line, name = key
+    if file.startswith("/"):
+        file = os.path.relpath(file).split("site-packages/", 1)[-1]
+    return f"{file}:{line}({name})"
+
+
+def profile(framework: str, width: int, steps: int, spe: int, loader: str, top: int) -> None:
+    """Train ``framework`` and ``plain`` here under cProfile; print where the time goes.
+
+    First the functions that took the most time per step; then every function the framework
+    calls more often per step than the plain loop does: its overhead, call by call. The
+    profile covers ``Trainer(...)`` and ``fit``, so one-time work shows as fractions of a call.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    stats, done = _profiled(framework, width, steps, spe, loader)
+    base, base_done = _profiled("plain", width, steps, spe, loader)
+    entries = stats.stats  # type: ignore[attr-defined]
+    plain = base.stats  # type: ignore[attr-defined]
+    print(
+        f"{framework}, width {width}, {loader} loader: {done} steps under cProfile (it "
+        "inflates Python-level costs: compare call counts and relative times)"
+    )
+    print(f"{'calls/step':>10}  {'own us/step':>11}  {'cum us/step':>11}  function")
+    ranked = sorted(entries.items(), key=lambda item: item[1][2], reverse=True)
+    for key, (_, calls, own, cum, _) in ranked[:top]:
+        print(
+            f"{calls / done:10.2f}  {own / done * 1e6:11.2f}  {cum / done * 1e6:11.2f}  "
+            f"{_where(key)}"
+        )
+    print(f"\ncalls per step beyond the plain loop's ({base_done} steps), 0.01 a step or more:")
+    print(f"{'extra/step':>10}  {'own us/step':>11}  {'cum us/step':>11}  function")
+    extra = []
+    for key, (_, calls, own, cum, _) in entries.items():
+        more = calls / done - (plain[key][1] / base_done if key in plain else 0.0)
+        if more >= 0.01:
+            extra.append((own / done, more, cum / done, key))
+    extra.sort(reverse=True)
+    for own, more, cum, key in extra[:top]:
+        print(f"{more:10.2f}  {own * 1e6:11.2f}  {cum * 1e6:11.2f}  {_where(key)}")
+    total = sum(own for own, more, _, _ in extra if more >= 0.5)
+    print(
+        "own time of the functions called half a time a step or more beyond plain: "
+        f"{total * 1e6:.1f} us/step under cProfile"
+    )
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="cardcage's per-step overhead and peak RSS against a plain PyTorch loop "
+        "(and Lightning, when installed). See the module docstring."
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 rounds of 600 steps: a smoke run, too noisy to judge",
+    )
+    parser.add_argument("--rounds", type=int, help="rounds (default 9; --quick 3)")
+    parser.add_argument("--steps", type=int, help="steps per run (default 2000; --quick 600)")
+    parser.add_argument("--epochs", type=int, help="epochs the steps span (default 8; --quick 6)")
+    parser.add_argument(
+        "--loader",
+        choices=["default", "batched"],
+        default="default",
+        help="default: DataLoader(batch_size=64); batched: one index operation per batch",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the round orders")
+    parser.add_argument("--no-lightning", action="store_true", help="leave Lightning out")
+    parser.add_argument("--json", metavar="PATH", help="also write every run and the summary")
+    parser.add_argument(
+        "--profile",
+        metavar="VARIANT",
+        choices=["cardcage", "lightning"],
+        help="instead: profile VARIANT and the plain loop in this process, and list the "
+        "calls per step VARIANT makes beyond plain",
+    )
+    parser.add_argument("--width", type=int, default=32, help="hidden width for --profile")
+    parser.add_argument("--top", type=int, default=30, help="functions --profile lists")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        result = child(json.loads(args.child))
+        with open(args.child_out, "w") as f:
+            json.dump(result, f)
+        return 0
+
+    rounds = args.rounds or (3 if args.quick else 9)
+    steps = args.steps or (600 if args.quick else 2000)
+    epochs = args.epochs or (6 if args.quick else 8)
+    if rounds < 1 or epochs < 3 or steps < epochs:
+        parser.error("need --rounds >= 1, --epochs >= 3 and --steps >= --epochs")
+    steps_per_epoch = steps // epochs
+    steps = steps_per_epoch * epochs  # whole epochs: the steady window is whole epochs
+
+    if args.profile:
+        profile(args.profile, args.width, steps, steps_per_epoch, args.loader, args.top)
+        return 0
+
+    frameworks = ["plain", "cardcage"]
+    lightning = None if args.no_lightning else lightning_available()
+    if lightning:
+        frameworks.append("lightning")
+
+    import importlib.metadata
+    import platform
+
+    torch_version = importlib.metadata.version("torch")  # the parent stays small: no torch
+    cpus = os.cpu_count() or 1
+    loads = [os.getloadavg()[0]]
+    print(
+        f"overhead: {rounds} rounds x {len(frameworks) * len(MODELS)} runs of {steps} steps "
+        f"({epochs} epochs of {steps_per_epoch}, batch {BATCH}, {args.loader} loader), "
+        f"1 torch thread; torch {torch_version}, python {platform.python_version()}, "
+        f"{cpus} CPUs, load average {loads[0]:.2f}; lightning: "
+        f"{lightning or 'not installed (pip install -e .[bench])'}",
+        flush=True,
+    )
+    rng = random.Random(args.seed)
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="cardcage-overhead-") as log_dir:
+        for index in range(rounds):
+            order = [(f, m) for f in frameworks for m in MODELS]
+            rng.shuffle(order)
+            for framework, model in order:
+                spec = {
+                    "framework": framework,
+                    "model": model,
+                    "width": MODELS[model],
+                    "steps": steps,
+                    "steps_per_epoch": steps_per_epoch,
+                    "loader": args.loader,
+                    "round": index,
+                }
+                try:
+                    results.append(run_child(spec, log_dir))
+                except (RuntimeError, subprocess.TimeoutExpired) as error:
+                    print(f"error: {error}", file=sys.stderr)
+                    return 1
+            loads.append(os.getloadavg()[0])
+            print(
+                f"  round {index + 1}/{rounds} done ({time.perf_counter() - started:.0f} s, "
+                f"load average {loads[-1]:.2f})",
+                flush=True,
+            )
+
+    rows = summarise(results, frameworks)
+    print()
+    print_table(rows)
+    print()
+    for row in rows:
+        if row["framework"] == "plain":
+            continue
+        notes = ["same weights as plain" if row["same_weights"] else "WEIGHTS DIFFER from plain"]
+        if not row["steps_ok"]:
+            notes.append("DID NOT RUN the asked number of steps")
+        if not row["log_bytes"]:
+            notes.append("its progress bar wrote nothing")
+        print(
+            f"  {row['framework']}/{row['model']}: {', '.join(notes)}; bar output "
+            f"{row['log_bytes'] / 1024:.0f} KiB; import and build {row['setup_s']:.2f} s"
+        )
+    if max(loads) > cpus:
+        print(
+            f"\nnote: the load average reached {max(loads):.1f} on {cpus} CPUs: other processes "
+            "competed for them, so the wall-clock ratios are noisy; read the quartiles and the "
+            "CPU ratios."
+        )
+    misses = [r for r in rows if r["verdict"] and "MISS" in r["verdict"]]
+    print(
+        f"\ncardcage targets: {'all met' if not misses else f'missed in {len(misses)} row(s)'} "
+        "(a miss is a finding, not an error)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "rounds": rounds,
+                    "steps": steps,
+                    "epochs": epochs,
+                    "loader": args.loader,
+                    "load_averages": loads,
+                    "runs": results,
+                    "summary": rows,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
