@@ -190,7 +190,10 @@ def build_wheel(python: str, version: str, torch: str, destination: Path) -> Pat
         )
         (archive,) = (work / "sdist").glob("horovod-*.tar.gz")
         with tarfile.open(archive) as tar:
-            tar.extractall(work / "src", filter="data")
+            if hasattr(tarfile, "data_filter"):  # Python 3.10.12+, 3.11.4+
+                tar.extractall(work / "src", filter="data")
+            else:
+                tar.extractall(work / "src")  # older Pythons: no extraction filters
         (source,) = (work / "src").iterdir()
         if int(torch.split(".")[0]) >= 2:
             changed = patch_cxx17(source)
