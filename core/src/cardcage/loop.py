@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from cardcage.trainer import Trainer
 
 
+LOSS_CHUNK = 64
+
+
 def batch_size_of(batch: Any) -> int:
     """The number of samples in a batch (length of its first tensor), for samples/s."""
     if isinstance(batch, torch.Tensor):
@@ -74,7 +77,8 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
             trainer.epoch_rng = rng_state()
         model.train()
         bar.start_epoch(epoch, _length(loader))
-        losses: list[torch.Tensor] = []
+        losses: list[torch.Tensor] = []  # stacked into one tensor every LOSS_CHUNK steps
+        pending: list[torch.Tensor] = []
         trainer.in_epoch = True
         for batch_idx, batch in enumerate(loader):
             if skip:  # resuming inside an epoch: draw the same batches, train on the rest
@@ -108,7 +112,10 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
                     step, batch, batch_idx, optimizers, accelerator, after_backward
                 )
             precision.update()
-            losses.append(loss.detach())
+            pending.append(loss.detach())
+            if len(pending) == LOSS_CHUNK:  # thousands of tiny tensors fragment memory
+                losses.append(torch.stack(pending))
+                pending.clear()
             trainer.global_step += 1
             trainer.batch_idx = batch_idx + 1
             if bar.enabled:
@@ -119,6 +126,8 @@ def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
                 trainer.at_stop_step()  # checkpoints and raises Requeued, or returns
         trainer.in_epoch = False
         epoch_done = trainer.global_step < max_steps or trainer.batch_idx == _length(loader)
+        if pending:
+            losses.append(torch.stack(pending))
         trainer.record_losses(losses)
         accelerator.on_epoch_end(trainer)
         if epoch_done:

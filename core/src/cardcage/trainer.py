@@ -221,9 +221,9 @@ class Trainer:
         return 0, None, False
 
     def record_losses(self, losses: list[torch.Tensor]) -> None:
-        """Keep an epoch's step losses (one transfer per epoch, not per step)."""
+        """Keep an epoch's step losses, given as 1-D chunks (one transfer per epoch)."""
         if losses:
-            values = torch.stack(losses).double().cpu().tolist()  # exact at every precision
+            values = torch.cat(losses).double().cpu().tolist()  # exact at every precision
             self.losses.extend(values)
             self.logged_metrics["loss"] = values[-1]
         self.logged_metrics["epoch"] = float(self.current_epoch)
