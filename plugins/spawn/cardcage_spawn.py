@@ -8,6 +8,7 @@ cluster already created the processes it runs as ``ddp`` in them.
 from __future__ import annotations
 
 import pickle
+import shutil
 from typing import Any
 
 import torch
@@ -81,7 +82,11 @@ class DDPSpawnAccelerator(DistributedAccelerator):
             master_address=selection.master_address or launch.DEFAULT_ADDRESS,
             master_port=selection.master_port,
         )
-        result = torch.load(folder / f"result-node{selection.node_rank}.pt", weights_only=True)
+        try:
+            path = folder / f"result-node{selection.node_rank}.pt"
+            result = torch.load(path, weights_only=True)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # fit leaves no file behind
         trainer.model.load_state_dict(result.pop("state_dict"))
         trainer.apply_results(result)
         return None

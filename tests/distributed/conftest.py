@@ -6,7 +6,8 @@ Every process a test starts carries the test's marker in its environment
 relaunched children, spawned workers and torchrun's workers inherit the environment, so a
 scan of ``/proc`` finds them all. ``harness.assert_no_leftovers()`` waits a few seconds for
 them to go, then kills any that remain and fails; the fixture's teardown does the same for
-tests that stopped before calling it.
+tests that stopped before calling it. Each harness also gives its jobs their own ``TMPDIR``
+and checks that the launchers left no ``cardcage-*`` folder there.
 """
 
 from __future__ import annotations
@@ -202,12 +203,19 @@ class Harness:
         (a value of None removes the variable)."""
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
         env.update({MARKER: self.marker, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+        env["TMPDIR"] = str(self.tmpdir)  # where the launchers' temporary folders go
         for key, value in extra.items():
             if value is None:
                 env.pop(key, None)
             else:
                 env[key] = value
         return env
+
+    @property
+    def tmpdir(self) -> Path:
+        path = self.root / "tmp"
+        path.mkdir(exist_ok=True)
+        return path
 
     def job_args(self, out: Path, *args: str) -> list[str]:
         return [str(JOB), "--out", str(out), "--marker", self.marker, *args]
@@ -255,6 +263,8 @@ class Harness:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         assert not left, f"processes left behind {grace:.0f}s after the job ended: {left}"
+        folders = sorted(p.name for p in self.tmpdir.glob("cardcage-*"))
+        assert not folders, f"temporary folders left behind: {folders}"
 
     # -- reading what a job left -------------------------------------------------------------
 

@@ -21,11 +21,13 @@ a port; ranks then report their arrival, and a rank that never arrives is named.
 from __future__ import annotations
 
 import _thread
+import atexit
 import contextlib
 import ctypes
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -455,6 +457,7 @@ def relaunch_script(
         master_port = int(store.port)
         env[HOSTED_STORE] = "1"
     errors = Path(tempfile.mkdtemp(prefix="cardcage-errors-"))
+    atexit.register(shutil.rmtree, errors, True)  # the children's error files, once read
     env.update(
         {
             "MASTER_ADDR": master_address,
@@ -579,6 +582,9 @@ def spawn(
         failed = supervisor.failure or supervisor._first_failure()
         if failed is not None:
             raise failed.error()
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # the error files are read by now
+        raise
     finally:
         _hosted.pop("store", None)
     return folder
