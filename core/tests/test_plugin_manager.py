@@ -344,3 +344,19 @@ def test_two_entry_points_of_one_name_are_an_error(
 def test_the_registry_is_cached_per_plugin_setting() -> None:
     assert plugins.registry({}) is plugins.registry({"UNRELATED": "1"})
     assert plugins.registry({}) is not plugins.registry({"CARDCAGE_DISABLE_PLUGINS": "tpu"})
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_loading_leaves_the_garbage_collector_as_it_was(enabled: bool) -> None:
+    # Loading pauses automatic collection (a full one would walk torch's heap); a program
+    # that turned it off itself must not find it switched back on, nor the reverse.
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        registry = PluginManager({}).load()
+        assert "cpu" in registry.accelerators
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
