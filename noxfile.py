@@ -88,13 +88,7 @@ def core(session: nox.Session) -> None:
     session.run("pytest", "core/tests", "tests", *session.posargs)
 
 
-# slurm, horovod and tpu are not in the default run yet: each installs a heavy engine (SLURM
-# daemons, a Horovod build, a second torch for torch-xla) and joins `nox` (and so CI) once its
-# issue's acceptance has been seen to hold on a clean checkout. Run them by name meanwhile.
-HEAVY = ("slurm", "horovod", "tpu")
-
-
-@nox.session(default=False)
+@nox.session
 def slurm(session: nox.Session) -> None:
     """tests/slurm: srun, sbatch and requeue on a private SLURM cluster the tests start."""
     plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn")
@@ -142,7 +136,7 @@ def _backend_session(name: str) -> None:
         session.run("pytest", f"plugins/{name}/tests", *session.posargs)
 
     session_function.__doc__ = f"plugins/{name}/tests, with the core and cardcage-{name} alone."
-    nox.session(name=name, tags=["backends"], default=name not in HEAVY)(session_function)
+    nox.session(name=name, tags=["backends"])(session_function)
 
 
 for _name in BACKENDS:
@@ -161,7 +155,7 @@ WHEELHOUSE = Path(
 )
 
 
-@nox.session(tags=["backends"], default=False)
+@nox.session(tags=["backends"])
 def tpu(session: nox.Session) -> None:
     """plugins/tpu/tests on XLA's CPU device, with the core, cardcage-tpu and torch-xla alone.
 
