@@ -193,11 +193,11 @@ def test_default_explain_imports_no_engine(
 
 def test_tpu_availability_imports_torch_xla_when_asked(fakes: Path, markers: Path) -> None:
     env = child_env(fakes, markers, PJRT_DEVICE="CPU")
-    result = run(["-m", "cardcage", "explain", "--tpu-cores", "1", "--json"], env)
-    selection = json.loads(result.stdout)
-    (tpu,) = [e for e in selection["trace"] if e["accelerator"] == "tpu"]
-    assert tpu["outcome"] in ("claimed", "unavailable"), tpu  # the rule claimed; asked
-    assert selection["accelerator"] == "tpu" or "import" in tpu["detail"], tpu
+    result = run(["-m", "cardcage", "explain", "--tpu-cores", "1", "--json"], env, statuses=(0, 2))
+    if result.returncode == 0:
+        assert json.loads(result.stdout)["accelerator"] == "tpu"
+    else:  # the rule claimed, and the fake torch_xla was judged unusable: that is the error
+        assert "tpu_cores=1" in result.stderr and "torch_xla" in result.stderr
     assert "torch_xla" in imported(markers)
     assert "horovod" not in imported(markers)
 

@@ -176,13 +176,21 @@ def test_100_horovodrun_with_horovod_decides(
 
 
 @pytest.mark.skipif(not XLA_MISSING, reason="torch-xla is installed here")
-def test_200_tpu_cores_without_torch_xla_is_skipped_with_its_reason(cuda_count_0: int) -> None:
-    selection = select(env={}, tpu_cores=8)
-    tpu = entry(selection, "tpu_cores")
-    assert (tpu.order, tpu.outcome) == (200, "unavailable")
-    assert "torch_xla is not installed" in tpu.detail
-    assert (selection.accelerator, selection.rule) == ("cpu", "cpu_fallback")
-    assert "torch_xla is not installed" in selection.explain()
+def test_200_tpu_cores_without_torch_xla_fails_with_the_reason(cuda_count_0: int) -> None:
+    # The rule is skipped like any unavailable one, but tpu_cores asked for TPU cores: training
+    # on the CPU instead would hide that for a whole run (the seed failed here too).
+    with pytest.raises(MisconfigurationError) as error:
+        select(env={}, tpu_cores=8)
+    message = str(error.value)
+    assert "tpu_cores=8" in message and "torch_xla is not installed" in message
+    assert "unset tpu_cores" in message
+
+
+def test_tpu_cores_without_a_tpu_plugin_names_the_install_command(cuda_count_0: int) -> None:
+    with pytest.raises(MisconfigurationError) as error:
+        select(env={"CARDCAGE_DISABLE_PLUGINS": "tpu"}, tpu_cores="1")
+    assert "tpu_cores='1'" in str(error.value)
+    assert "pip install cardcage-tpu" in str(error.value)
 
 
 def test_200_tpu_cores_with_torch_xla_decides(
@@ -234,12 +242,6 @@ def _rules() -> list[Any]:
 
 
 @pytest.mark.skipif(not XLA_MISSING, reason="torch-xla is installed here")
-def test_explain_shows_unavailable_rules_and_why(cuda_count_0: int) -> None:
-    text = select(env={}, tpu_cores=1).explain()
-    (tpu_line,) = [line for line in text.splitlines() if "200" in line]
-    assert "unavailable" in tpu_line and "torch_xla is not installed" in tpu_line
-
-
 def test_explain_of_a_named_backend_evaluates_no_rule(cuda_count_2: int) -> None:
     selection = select(env={}, distributed_backend="dp", gpus=2)
     assert selection.rule == "distributed_backend"
@@ -275,8 +277,10 @@ DESIGN_FIELDS = (
     ],
 )
 def test_as_dict_is_json_and_holds_every_field(
-    cuda_count_4: int, env: dict[str, str], flags: dict[str, Any]
+    cuda_count_4: int, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], flags: dict[str, Any]
 ) -> None:
+    if "tpu_cores" in flags:
+        make_available(monkeypatch, "tpu")
     selection = select(env=env, **flags)
     data = json.loads(json.dumps(selection.as_dict()))
     for name in DESIGN_FIELDS:
@@ -601,6 +605,8 @@ def _forbid(name: str) -> Callable[..., Any]:
 def test_select_is_pure(
     cuda_count_2: int, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], flags: dict[str, Any]
 ) -> None:
+    if "tpu_cores" in flags:
+        make_available(monkeypatch, "tpu")
     select(env=env, **flags)  # load plugins first: their imports are not select's doing
     threads = set(threading.enumerate())
     for target, name in [

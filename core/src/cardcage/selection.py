@@ -251,6 +251,8 @@ def select(*, env: Mapping[str, str] | None = None, **flags: Any) -> Selection:
         )
     else:
         chosen, rule, why, trace = _run_rules(ctx, registry, warnings)
+        if tpu_cores is not None and not chosen.uses_tpu_cores:
+            raise _no_tpu_backend(checked.tpu_cores, trace, registry)
 
     per_node = chosen.processes_per_node(ctx)
     outside = cluster.creates_processes
@@ -279,6 +281,32 @@ def select(*, env: Mapping[str, str] | None = None, **flags: Any) -> Selection:
         auto_select_pending=auto_pending,
         environment=cluster,
     )
+
+
+def _no_tpu_backend(
+    value: object, trace: tuple[TraceEntry, ...], registry: plugins.Registry
+) -> MisconfigurationError:
+    """``tpu_cores`` was set but no backend that trains on TPU cores can run here.
+
+    The seed forced its TPU backend whenever ``tpu_cores`` was set and failed without torch-xla;
+    quietly training on the CPU instead would hide the mistake for a whole run.
+    """
+    serving = {name for name, reg in registry.accelerators.items() if reg.cls.uses_tpu_cores}
+    reasons = [
+        f"{entry.accelerator}: {entry.detail}"
+        for entry in trace
+        if entry.accelerator in serving and entry.outcome == "unavailable"
+    ]
+    if reasons:
+        why = "no backend that trains on TPU cores can run here (" + "; ".join(reasons) + ")"
+        fix = "Run it where torch-xla and a TPU are, or unset tpu_cores to train elsewhere."
+    elif serving:
+        why = f"none of {sorted(serving)} claimed the job"
+        fix = "Name one with distributed_backend, or unset tpu_cores."
+    else:
+        why = "no installed backend trains on TPU cores"
+        fix = f"Install one with `{plugins.install_command('tpu')}`, or unset tpu_cores."
+    return MisconfigurationError(f"tpu_cores={value!r} is set, but {why}. {fix}")
 
 
 def _auto_select(gpus: int, device_count: int) -> tuple[list[int] | None, bool]:
