@@ -152,13 +152,24 @@ def test_100_horovodrun_without_horovod_is_skipped_with_its_reason(
     assert selection.accelerator == "cpu"  # one process: nothing else claims it
 
 
-@pytest.mark.skipif(not HOROVOD_MISSING, reason="horovod is installed here")
-def test_100_horovodrun_world_without_horovod_falls_through_to_ddp(cuda_count_0: int) -> None:
+def test_100_mpirun_world_without_horovod_falls_through_to_ddp(cuda_count_0: int) -> None:
     env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
     env["OMPI_COMM_WORLD_LOCAL_RANK"] = "1"
-    selection = select(env=env)
-    assert outcomes(selection)["horovodrun"] == "unavailable"
+    env["CARDCAGE_DISABLE_PLUGINS"] = "horovod"
+    # mpirun gives ranks but no rendezvous: ddp's processes could never meet
+    with pytest.raises(MisconfigurationError) as error:
+        select(env=env)
+    assert "MASTER_ADDR" in str(error.value) and "'ddp'" in str(error.value)
+    assert "pip install cardcage-horovod" in str(error.value)
+    selection = select(env={**env, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"})
     assert (selection.accelerator, selection.world_size, selection.global_rank) == ("ddp", 2, 1)
+    assert (selection.master_address, selection.master_port) == ("10.0.0.1", 29511)
+
+
+def test_an_alias_is_named_in_the_why(cuda_count_0: int) -> None:
+    selection = select(env={}, distributed_backend="ddp_cpu", num_processes=2)
+    assert selection.accelerator == "ddp_spawn"
+    assert "distributed_backend='ddp_cpu' was named (an alias of 'ddp_spawn')" in selection.why
 
 
 def test_100_horovodrun_with_horovod_decides(
@@ -625,3 +636,13 @@ def test_select_is_pure(
     assert set(threading.enumerate()) == threads
     assert multiprocessing.active_children() == []
     assert not torch.cuda.is_initialized()
+
+
+def test_processes_per_node_come_from_the_launcher_that_started_them(cuda_count_0: int) -> None:
+    # torchrun --nproc_per_node=2 on two nodes, with no num_processes flag
+    elastic = select(env={**TORCHRUN_4, "MASTER_ADDR": "node1", "MASTER_PORT": "29500"})
+    assert (elastic.num_processes, elastic.world_size, elastic.node_rank) == (2, 4, 1)
+    mpirun = {"OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_RANK": "4"}
+    mpirun.update(OMPI_COMM_WORLD_LOCAL_RANK="1", OMPI_COMM_WORLD_LOCAL_SIZE="3")
+    mpirun.update(CARDCAGE_DISABLE_PLUGINS="horovod", MASTER_ADDR="a", MASTER_PORT="29500")
+    assert select(env=mpirun).num_processes == 3

@@ -20,7 +20,7 @@ class DDPAccelerator(DistributedAccelerator):
         Rule(
             order=300,
             when=lambda ctx: ctx.num_nodes > 1 or ctx.processes_created_outside,
-            why="num_nodes > 1, or a cluster (torchelastic, SLURM) created the processes",
+            why="num_nodes > 1, or a cluster (torchelastic, SLURM, mpirun) created the processes",
             name="multi_node_or_cluster",
         ),
     )

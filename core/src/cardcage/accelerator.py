@@ -92,6 +92,9 @@ class Accelerator:
         cpu_fallback: the backend that takes over in that case.
         uses_tpu_cores: whether it trains on the cores named by ``tpu_cores``; naming any
             other backend together with ``tpu_cores`` is an error.
+        needs_rendezvous: whether its processes meet through ``MASTER_ADDR``/``MASTER_PORT``
+            (torch.distributed's env:// rendezvous); in processes a cluster started that
+            supplies neither (mpirun without them, say), selecting it is an error.
 
     The class methods decide selection. An instance is made for the backend that runs; the
     core's training loop calls its instance methods. The defaults train in this process on
@@ -108,6 +111,7 @@ class Accelerator:
     needs_gpus: ClassVar[bool] = False
     cpu_fallback: ClassVar[str] = "cpu"
     uses_tpu_cores: ClassVar[bool] = False
+    needs_rendezvous: ClassVar[bool] = False
 
     #: Where the model trains; ``setup`` sets it.
     device: torch.device

@@ -90,6 +90,7 @@ class DistributedAccelerator(Accelerator):
 
     #: ``None`` picks NCCL for CUDA devices and gloo otherwise.
     process_group_backend: ClassVar[str | None] = None
+    needs_rendezvous: ClassVar[bool] = True
 
     def __init__(self, selection: Any):
         super().__init__(selection)

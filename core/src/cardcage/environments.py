@@ -94,6 +94,9 @@ class ClusterEnvironment:
     variables: ClassVar[tuple[str, ...]] = ()
     #: Whether something outside cardcage already started one process per rank.
     creates_processes: ClassVar[bool] = False
+    #: Whether the launcher that started them gives torch.distributed a rendezvous
+    #: (``MASTER_ADDR``/``MASTER_PORT``); mpirun and horovodrun do not.
+    provides_rendezvous: ClassVar[bool] = True
 
     def __init__(self, env: Mapping[str, str], expected_world_size: int, num_nodes: int = 1):
         self.env = env
@@ -128,6 +131,10 @@ class ClusterEnvironment:
     def master_port(self) -> int | None:
         """The rendezvous port, or ``None`` when a free one is to be chosen at launch."""
         return _master_port(self.env)
+
+    def local_world_size(self) -> int | None:
+        """Processes on this node, when the launcher that started them says; else ``None``."""
+        return None
 
     # -- checkpoint and requeue (see cardcage.requeue) ------------------------------------
 
@@ -234,6 +241,9 @@ class TorchElasticEnvironment(ClusterEnvironment):
 
     def local_rank(self) -> int:
         return _require_int(self.env, "LOCAL_RANK", 0)
+
+    def local_world_size(self) -> int | None:
+        return env_int(self.env, "LOCAL_WORLD_SIZE")
 
     def node_rank(self) -> int:
         group = env_int(self.env, "GROUP_RANK")
@@ -425,8 +435,14 @@ class HorovodEnvironment(ClusterEnvironment):
     def local_rank(self) -> int:
         return self._first("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 
+    def local_world_size(self) -> int | None:
+        size = self._first("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        return size or None
+
     def node_rank(self) -> int:
         return self._first("HOROVOD_CROSS_RANK", "OMPI_COMM_WORLD_NODE_RANK")
+
+    provides_rendezvous: ClassVar[bool] = False
 
     def master_address(self) -> str | None:
         return self.env.get("MASTER_ADDR")  # Horovod rendezvouses on its own

@@ -254,8 +254,28 @@ def select(*, env: Mapping[str, str] | None = None, **flags: Any) -> Selection:
         if tpu_cores is not None and not chosen.uses_tpu_cores:
             raise _no_tpu_backend(checked.tpu_cores, trace, registry)
 
-    per_node = chosen.processes_per_node(ctx)
     outside = cluster.creates_processes
+    # a launcher that started the processes knows how many it put on this node
+    per_node = (outside and cluster.local_world_size()) or chosen.processes_per_node(ctx)
+    global_rank, local_rank, node_rank = (
+        cluster.global_rank(),
+        cluster.local_rank(),
+        cluster.node_rank(),
+    )  # read (and checked) before the rendezvous, whose error would hide a bad rank
+    if (
+        outside
+        and chosen.needs_rendezvous
+        and not cluster.provides_rendezvous
+        and cluster.master_port() is None
+    ):
+        raise MisconfigurationError(
+            f"the processes were started by {cluster.name!r} (world size "
+            f"{cluster.world_size()}), which gives no MASTER_ADDR/MASTER_PORT, and "
+            f"{chosen.name!r} needs them for torch.distributed to connect its ranks. Export "
+            "MASTER_ADDR (the first host) and MASTER_PORT (a free port) to every process, or "
+            "use the launcher's own backend (horovodrun/mpirun: "
+            f"`{plugins.install_command('horovod')}`)."
+        )
     world_size = cluster.world_size() if outside else checked.num_nodes * per_node
     return Selection(
         accelerator=chosen.name,
@@ -269,9 +289,9 @@ def select(*, env: Mapping[str, str] | None = None, **flags: Any) -> Selection:
         num_processes=per_node,
         num_nodes=checked.num_nodes,
         world_size=world_size,
-        global_rank=cluster.global_rank(),
-        local_rank=cluster.local_rank(),
-        node_rank=cluster.node_rank(),
+        global_rank=global_rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
         warnings=warnings,
         trace=trace,
         master_address=cluster.master_address(),
@@ -369,7 +389,9 @@ def _resolve_named(
             f"not available here: {availability.reason}.{hint}"
         )
     ctx = replace(ctx, requested=cls.name, requested_as=ctx.requested_as)
-    why = f"distributed_backend={seen[0]!r} was named"
+    why = f"distributed_backend={named!r} was named"
+    if named.lower() != cls.name:
+        why += f" (an alias of {cls.name!r})"
     if len(seen) > 1:
         why += f" and runs as {current.name!r}"
     return current, ctx, "distributed_backend", why
