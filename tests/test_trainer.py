@@ -618,3 +618,27 @@ def test_demo_trains_in_bf16(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].startswith("cardcage: training on 'cpu'")
     assert "trained 1 epoch(s), 32 steps" in lines[-1]
     assert captured.err == ""
+
+
+class ClippedMLP(MLP):
+    """Clips its gradients in ``on_after_backward``, as the model contract allows."""
+
+    def on_after_backward(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm=0.05)
+
+
+def test_on_after_backward_clips_before_the_optimizer_step() -> None:
+    model = seeded(ClippedMLP)
+    fit(model, loader(shuffle=True), max_epochs=2)
+    reference = seeded(ClippedMLP)
+    optimizer = reference.configure_optimizers()
+    for _ in range(2):
+        for batch in loader(shuffle=True):
+            optimizer.zero_grad()
+            reference.loss(batch).backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.05)
+            optimizer.step()
+    assert_equal_weights(model, reference)
+    unclipped = seeded()
+    fit(unclipped, loader(shuffle=True), max_epochs=2)
+    assert not torch.equal(unclipped.net[0].weight, model.net[0].weight)  # the clip mattered

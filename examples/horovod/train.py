@@ -11,13 +11,17 @@ as ``CARDCAGE_HOROVOD_SCALE_LR=0``) keeps it.
 ``--reference --processes N`` trains the same model in a plain PyTorch loop, in one process,
 on batches N times larger (at N times the learning rate unless ``--no-scale-lr``): the run
 the Horovod job must match. ``--out PATH`` writes the final weights (rank 0), ``--clip X``
-clips the gradient norm to X in ``on_after_backward``.
+clips the gradient norm to X in ``on_after_backward``. At the end rank 0 prints one
+``cardcage-example:`` line, JSON with what was selected and the final weights, as the other
+examples do.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -87,6 +91,25 @@ def reference(args: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
+def report(trainer: cardcage.Trainer, model: torch.nn.Module) -> None:
+    """One ``cardcage-example:`` line: what was selected and the final weights."""
+    selection = trainer.selection
+    line = {
+        "example": "horovod",
+        "pid": os.getpid(),
+        "accelerator": selection.accelerator,
+        "cluster": selection.cluster,
+        "rule": selection.rule,
+        "world_size": trainer.accelerator.world_size,
+        "rank": trainer.accelerator.global_rank,
+        "global_step": trainer.global_step,
+        "loss": trainer.logged_metrics.get("loss"),
+        "weights": {k: v.detach().cpu().tolist() for k, v in model.state_dict().items()},
+    }
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"cardcage-example: {json.dumps(line)}\n".encode())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-processes", type=int, default=1, help="workers without horovodrun")
@@ -118,6 +141,7 @@ def main() -> None:
         if rank0:
             metrics = ", ".join(f"{k} {v:.6f}" for k, v in sorted(trainer.logged_metrics.items()))
             print(f"horovod: {trainer.accelerator.world_size} process(es); {metrics}")
+            report(trainer, model)
     if rank0:
         total = sum(float(p.detach().double().sum()) for p in model.parameters())
         print(f"sum of the final weights: {total:.8f}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -90,6 +91,17 @@ def horovodrun(*args: Any, np: int = 2) -> list[Any]:
     return [*HOROVODRUN, "--gloo", "-np", np, "-H", f"localhost:{np}", sys.executable, *args]
 
 
+def example_line(stdout: str) -> dict[str, Any]:
+    """The one ``cardcage-example:`` line of a run (horovodrun prefixes ``[0]<stdout>:``),
+    its weights as tensors."""
+    mark = "cardcage-example: "
+    lines = [json.loads(line.partition(mark)[2]) for line in stdout.splitlines() if mark in line]
+    assert len(lines) == 1, stdout
+    line: dict[str, Any] = lines[0]
+    line["weights"] = {k: torch.tensor(v) for k, v in line["weights"].items()}
+    return line
+
+
 def weights(path: Path) -> dict[str, Any]:
     state: dict[str, Any] = torch.load(path, weights_only=True)
     return state
@@ -112,6 +124,9 @@ def test_two_processes_train_like_one_process_on_twice_the_batch(
     assert "horovod: 2 process(es)" in result.stdout
     trained = weights(out)
     expected = reference(scale_lr=scale_lr)  # at twice the learning rate when scaled
+    printed = example_line(result.stdout)  # rank 0's cardcage-example: line
+    assert (printed["accelerator"], printed["world_size"], printed["rank"]) == ("horovod", 2, 0)
+    assert max_difference(printed["weights"], expected) < TOLERANCE
     other = reference(scale_lr=not scale_lr)
     difference = max_difference(trained, expected)
     print(

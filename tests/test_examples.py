@@ -1,0 +1,287 @@
+"""The examples in examples/ run the way their docstrings (and examples/README.md) say a user
+runs them, each as real processes: ``python examples/plain/train.py``, ``python
+examples/ddp/train.py`` (cardcage re-runs the script for rank 1) and ``torchrun --standalone
+--nproc_per_node=2 examples/torchrun/train.py`` (as ``python -m torch.distributed.run``).
+
+Every process that trains prints one ``cardcage-example:`` JSON line with its rank, what was
+selected and its final weights. Those must equal, within 1e-5, the weights of the example's own
+``reference()``: a plain PyTorch loop in this process, on batches as large as all the ranks'
+batches of a step together (the data is not shuffled). The examples' environment has no
+launcher's or cardcage's variables, and no process they start may outlive them.
+
+The SLURM example runs in tests/slurm (``nox -s slurm``), the Horovod one in
+plugins/horovod/tests (``nox -s horovod``), the TPU one in plugins/tpu/tests (``nox -s tpu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+PYTHON = sys.executable
+MARK = "cardcage-example: "
+MARKER = "CARDCAGE_TEST_MARKER"
+#: Seconds an example may take on a loaded two-core machine (importing torch dominates).
+TIMEOUT = 180.0
+TOLERANCE = 1e-5
+#: The examples' defaults: 256 samples, 2 epochs, 16 samples per step over all the ranks.
+SAMPLES, EPOCHS, STEP_BATCH = 256, 2, 16
+#: Variables that steer a launcher or cardcage: none of them may reach the examples.
+STEERING = {
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "NODE_RANK",
+    "OMP_NUM_THREADS",
+}
+STEERING_PREFIXES = (
+    "CARDCAGE_",
+    "PL_TRAINER_",
+    "TORCHELASTIC_",
+    "SLURM_",
+    "HOROVOD_",
+    "OMPI_",
+    "PMI_",
+    "PMIX_",
+)
+
+
+@dataclass(frozen=True)
+class Example:
+    command: list[str]
+    ranks: int
+    #: What each rank's line must say: accelerator, rule, and cluster by rank.
+    accelerator: str
+    rule: str
+    clusters: tuple[str, ...]
+
+
+EXAMPLE_RUNS = {
+    "plain": Example(
+        [PYTHON, str(EXAMPLES / "plain" / "train.py")], 1, "cpu", "cpu_fallback", ("local",)
+    ),
+    # Rank 0 is the process started here (a local launch); rank 1 its relaunch (env://).
+    "ddp": Example(
+        [PYTHON, str(EXAMPLES / "ddp" / "train.py")],
+        2,
+        "ddp",
+        "distributed_backend",
+        ("local", "torchelastic"),
+    ),
+    "torchrun": Example(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(EXAMPLES / "torchrun" / "train.py"),
+        ],
+        2,
+        "ddp",
+        "multi_node_or_cluster",
+        ("torchelastic", "torchelastic"),
+    ),
+}
+
+
+def load_example(name: str) -> ModuleType:
+    """``examples/<name>/train.py`` as a module (for its ``reference()``)."""
+    spec = importlib.util.spec_from_file_location(
+        f"cardcage_example_{name}", EXAMPLES / name / "train.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def clean_env(marker: str, tmpdir: Path) -> dict[str, str]:
+    """This environment without steering variables, plus the marker and a private TMPDIR."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in STEERING and not key.startswith(STEERING_PREFIXES)
+    }
+    env.update({MARKER: marker, "TMPDIR": str(tmpdir), "PYTHONUNBUFFERED": "1"})
+    env["PYTHONFAULTHANDLER"] = "1"
+    return env
+
+
+def marked_processes(marker: str) -> dict[int, str]:
+    """Live processes whose environment holds ``marker``: the example's, and nothing else."""
+    found = {}
+    needle = f"{MARKER}={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        base = Path("/proc") / entry
+        try:
+            if (base / "stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X"):
+                continue
+            if needle in (base / "environ").read_bytes():
+                found[int(entry)] = (base / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+    return found
+
+
+@dataclass
+class Run:
+    """An example started in its own session, with its output in files and its marker."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    folder: Path
+    marker: str
+    started: float
+    ended: threading.Event
+    seconds: float | None = None
+
+    @classmethod
+    def start(cls, name: str, folder: Path) -> Run:
+        folder.mkdir(parents=True)
+        (folder / "tmp").mkdir()
+        marker = f"cardcage-example-{name}-{uuid.uuid4().hex}"
+        with (folder / "stdout").open("wb") as out, (folder / "stderr").open("wb") as err:
+            popen = subprocess.Popen(
+                EXAMPLE_RUNS[name].command,
+                cwd=folder,
+                env=clean_env(marker, folder / "tmp"),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,  # a timeout kills the whole session
+            )
+        run = cls(name, popen, folder, marker, time.monotonic(), threading.Event())
+        threading.Thread(target=run._watch, daemon=True).start()
+        return run
+
+    def _watch(self) -> None:
+        self.popen.wait()
+        self.seconds = time.monotonic() - self.started
+        self.ended.set()
+
+    def output(self) -> str:
+        out = (self.folder / "stdout").read_text(errors="replace")
+        err = (self.folder / "stderr").read_text(errors="replace")
+        return f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-6000:]}"
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Wait for the example, check that it exited 0 and left nothing behind; return the
+        ``cardcage-example:`` lines it printed."""
+        if not self.ended.wait(max(TIMEOUT - (time.monotonic() - self.started), 1)):
+            self.kill()
+            pytest.fail(f"{self.name} did not end within {TIMEOUT:.0f}s (killed)\n{self.output()}")
+        code = self.popen.returncode
+        assert code == 0, f"{self.name} exited {code}\n{self.output()}"
+        deadline = time.monotonic() + 10
+        left = marked_processes(self.marker)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = marked_processes(self.marker)
+        self.kill()
+        assert not left, f"{self.name} left processes behind: {left}"
+        # cardcage's own (torch leaves its caches, and torchrun its log folder, by design).
+        folders = sorted(p.name for p in (self.folder / "tmp").glob("cardcage-*"))
+        assert not folders, f"{self.name} left temporary folders behind: {folders}"
+        stdout = (self.folder / "stdout").read_text()
+        return [
+            json.loads(line[len(MARK) :]) for line in stdout.splitlines() if line.startswith(MARK)
+        ]
+
+    def kill(self) -> None:
+        """SIGKILL the session and any marked process still alive."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        for pid in marked_processes(self.marker):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Start every selected example at once (most of a run is waiting for torch to import);
+    each test then waits for its own."""
+    selected = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+    }
+    root = tmp_path_factory.mktemp("examples")
+    started = {name: Run.start(name, root / name) for name in sorted(selected)}
+    yield started
+    for run in started.values():
+        run.kill()
+
+
+def weights_of(line: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {key: torch.tensor(value) for key, value in line["weights"].items()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[key].double() - b[key].double()).abs().max()) for key in a)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_RUNS))
+def test_example_ends_with_the_weights_of_its_reference_loop(
+    name: str, runs: dict[str, Run]
+) -> None:
+    run = runs[name]
+    lines = run.finish()
+    expected = EXAMPLE_RUNS[name]
+    output = run.output()
+    assert sorted(line["rank"] for line in lines) == list(range(expected.ranks)), output
+    assert len({line["pid"] for line in lines}) == expected.ranks, output
+
+    example = load_example(name)
+    reference = example.reference(STEP_BATCH, EPOCHS, SAMPLES)
+    # The check can tell: training moved the weights, and the step's batch size mattered
+    # (N ranks that each trained on all the data would end at the batch-8 weights).
+    assert max_difference(reference, example.Regressor().state_dict()) > 100 * TOLERANCE
+    assert max_difference(reference, example.reference(8, EPOCHS, SAMPLES)) > 100 * TOLERANCE
+    for line in sorted(lines, key=lambda line: line["rank"]):
+        rank = line["rank"]
+        assert line["example"] == name
+        assert (line["accelerator"], line["rule"]) == (expected.accelerator, expected.rule)
+        assert line["cluster"] == expected.clusters[rank], line["cluster"]
+        assert line["world_size"] == expected.ranks
+        assert line["global_step"] == EPOCHS * SAMPLES // STEP_BATCH
+        difference = max_difference(weights_of(line), reference)
+        print(f"{name} rank {rank}: max |w - reference| = {difference:.3g} ({run.seconds:.1f}s)")
+        assert difference <= TOLERANCE, f"rank {rank} differs by {difference:g}\n{output}"
+
+    by_rank = {line["rank"]: line for line in lines}
+    if name in ("plain", "ddp"):  # the process started here trains as rank 0
+        assert by_rank[0]["pid"] == run.popen.pid
+    else:  # torchrun's workers train; the agent does not
+        assert run.popen.pid not in {line["pid"] for line in lines}
