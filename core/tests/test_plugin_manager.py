@@ -131,7 +131,9 @@ def test_an_unavailable_claiming_backend_is_skipped_with_its_reason(
     assert (foo_entry.outcome, foo_entry.detail) == ("unavailable", "no Foo card in this machine")
     (line,) = [ln for ln in selection.explain().splitlines() if "foo_cluster" in ln]
     assert "unavailable" in line and "no Foo card in this machine" in line
-    with pytest.raises(MisconfigurationError, match=r"no Foo card.*plug in a Foo card"):
+    with pytest.raises(
+        MisconfigurationError, match=r"no Foo card in this machine; plug in a Foo card\."
+    ):
         select(env={}, distributed_backend="foo")
 
 

@@ -383,10 +383,11 @@ def _resolve_named(
         ctx = replace(ctx, requested=current.name, requested_as=current.name)
     availability = _availability(current, ctx)
     if not availability:
-        hint = f" {availability.hint}." if availability.hint else ""
+        # a hint may start with a command (``pip install ...``): joined, not capitalised
+        hint = f"; {availability.hint.strip().rstrip('.')}" if availability.hint else ""
         raise MisconfigurationError(
             f"distributed_backend={named!r} selects {current.name!r}, which is "
-            f"not available here: {availability.reason}.{hint}"
+            f"not available here: {availability.reason}{hint}."
         )
     ctx = replace(ctx, requested=cls.name, requested_as=ctx.requested_as)
     why = f"distributed_backend={named!r} was named"
