@@ -3,6 +3,10 @@
 - lint: ruff check and ruff format --check over the repository.
 - typecheck: mypy (strict, configured in pyproject.toml) over core/.
 - core: core/tests and tests/ with the core and all eight backend plugins installed.
+- docs: the documentation site (mkdocs.yml, docs/) built with `mkdocs build --strict` into
+  .nox/docs/tmp/site: any warning fails it, a broken link or anchor included, and so does a
+  hook of core/src/cardcage/spec.py without a docstring (the hook reference is generated
+  from them). It installs the `docs` extra of pyproject.toml and pluggy, not torch.
 - slurm: tests/slurm on a private two-node SLURM cluster on this machine (the core with the
   cpu, ddp and spawn plugins). As root it installs the Debian packages slurmctld, slurmd,
   slurm-client and munge when missing; elsewhere the tests skip with the reason.
@@ -52,6 +56,8 @@ TORCH = _torch_pin()
 # The tools (pytest, ruff, mypy, ...) as the `dev` extra of pyproject.toml pins them.
 DEV_EXTRA = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
 TOOLS = {Requirement(spec).name: spec for spec in DEV_EXTRA["dev"]}
+# submitit, which cardcage.submit (`cardcage submit`) builds on: the `submit` extra.
+SUBMIT = tuple(DEV_EXTRA["submit"])
 # Every project here builds with hatchling. Installed once per session (with `editables`, which
 # hatchling's editable wheels need), it spares pip a throwaway build environment per editable
 # project: measured, 30 s of CPU down to 5 s for the core session's nine projects.
@@ -77,22 +83,45 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over core/src/cardcage, with the core's dependencies installed."""
-    _install(session, tools=(TOOLS["mypy"],))
+    _install(session, tools=(TOOLS["mypy"], *SUBMIT))
     session.run("mypy", *session.posargs)
 
 
 @nox.session
 def core(session: nox.Session) -> None:
     """core/tests and tests/, with the core and every backend plugin installed."""
-    _install(session, *(f"./plugins/{name}" for name in BACKENDS), tools=(TOOLS["pytest"],))
+    plugins = (f"./plugins/{name}" for name in BACKENDS)
+    _install(session, *plugins, tools=(TOOLS["pytest"], *SUBMIT))
     session.run("pytest", "core/tests", "tests", *session.posargs)
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """mkdocs build --strict: the site, with the hook reference generated from cardcage.spec."""
+    # docs/_hooks/cardcage_docs.py loads core/src/cardcage/spec.py by path, which needs
+    # pluggy alone: the core's pluggy requirement, without torch.
+    core_project = nox.project.load_toml(ROOT / "core/pyproject.toml")["project"]
+    pluggy = [d for d in core_project["dependencies"] if Requirement(d).name == "pluggy"]
+    session.install(*DEV_EXTRA["docs"], *pluggy)
+    site = Path(session.create_tmp()) / "site"
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(site),
+        *session.posargs,
+        env={"NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner about its successor
+    )
+    session.log(f"the site is in {site}")
+
+
+@nox.session
 def slurm(session: nox.Session) -> None:
-    """tests/slurm: srun, sbatch and requeue on a private SLURM cluster the tests start."""
+    """tests/slurm: srun, sbatch, requeue and `cardcage submit` grids on a private SLURM
+    cluster the tests start."""
     plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn")
-    _install(session, *plugins, tools=(TOOLS["pytest"],))
+    _install(session, *plugins, tools=(TOOLS["pytest"], *SUBMIT))
     session.run("pytest", "tests/slurm", *session.posargs, env={"CARDCAGE_SLURM_TESTS": "1"})
 
 

@@ -195,3 +195,17 @@ def test_env_json_explains_a_slurm_job_it_does_not_manage() -> None:
     assert cluster["SLURM_NTASKS"] == "4"
     assert "SLURM_NTASKS=4 differs" in cluster["note 1"]
     assert report["versions"]["torch"] == torch.__version__
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    # `cardcage explain | head -1`: the pipe closes before everything is written
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cardcage", "explain"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr

@@ -12,6 +12,7 @@ from cardcage.accelerator import Accelerator, Availability, Resolution, Rule
 from cardcage.errors import MisconfigurationError, PluginError
 from cardcage.selection import Selection, SelectionContext, select
 from cardcage.spec import hookimpl
+from cardcage.submit import SlurmJob
 from cardcage.trainer import Trainer
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Rule",
     "Selection",
     "SelectionContext",
+    "SlurmJob",
     "Trainer",
     "__version__",
     "hookimpl",

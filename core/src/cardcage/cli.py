@@ -1,4 +1,5 @@
-"""The ``cardcage`` command: ``plugins``, ``explain``, ``env``.
+"""The ``cardcage`` command: ``plugins``, ``explain``, ``env``, ``demo``, ``new-plugin``,
+``submit`` and ``jobs``.
 
 A bad flag or configuration prints the message on stderr and exits with status 2, without a
 traceback. ``--json`` prints one JSON document on stdout and nothing else there.
@@ -136,11 +137,54 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(trainer_flags(args), progress_bar=args.progress_bar)
 
 
+def add_new_plugin_arguments(parser: argparse.ArgumentParser) -> None:
+    from cardcage.scaffold import DEFAULT_ORDER
+
+    parser.add_argument("name", metavar="NAME", help="the backend name, e.g. acme or my_npu")
+    parser.add_argument(
+        "--directory", default=None, help="where to write it (default: ./cardcage-NAME)"
+    )
+    parser.add_argument(
+        "--order",
+        type=int,
+        default=DEFAULT_ORDER,
+        help=f"the order of the backend's rule (default: {DEFAULT_ORDER})",
+    )
+
+
+def cmd_new_plugin(args: argparse.Namespace) -> int:
+    from cardcage.scaffold import new_plugin
+
+    names, folder, files = new_plugin(args.name, args.directory, args.order)
+    print(f"created {names.distribution} in {folder}: {', '.join(files)}")
+    print("next:")
+    print(f"  pip install -e {folder}")
+    print("  cardcage plugins")
+    print(f"  {names.switch}=1 cardcage explain")
+    print(f"  pytest {folder / 'tests'}")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from cardcage.submit import run_submit_command
+
+    return run_submit_command(args)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from cardcage.submit import run_jobs_command
+
+    return run_jobs_command(args)
+
+
 COMMANDS: dict[str, tuple[Command, str]] = {
     "plugins": (cmd_plugins, "list backends, their plugins and whether they can run here"),
     "explain": (cmd_explain, "show which backend the flags select here, and why"),
     "env": (cmd_env, "versions, devices and cluster environment, for bug reports"),
     "demo": (cmd_demo, "train a small built-in model on synthetic data on the selected backend"),
+    "new-plugin": (cmd_new_plugin, "write a new backend plugin distribution to start from"),
+    "submit": (cmd_submit, "submit training to SLURM: one job per grid point (submitit)"),
+    "jobs": (cmd_jobs, "status, results and cancellation of a submitted grid"),
 }
 
 
@@ -165,6 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
                 default=True,
                 help="show the progress bar (default: on)",
             )
+        if name == "new-plugin":
+            add_new_plugin_arguments(command)
+        if name == "submit":
+            from cardcage.submit import add_submit_arguments
+
+            add_submit_arguments(command)
+        if name == "jobs":
+            from cardcage.submit import add_jobs_arguments
+
+            add_jobs_arguments(command)
     return parser
 
 
@@ -178,3 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `cardcage explain | head`: the reader left, which is no error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that flushing at exit raises nothing
+        return 141  # 128 + SIGPIPE, as a program killed by the signal reports

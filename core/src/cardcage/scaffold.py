@@ -1,0 +1,169 @@
+"""``cardcage new-plugin NAME``: write a new backend plugin distribution to start from.
+
+The distribution ``cardcage-NAME`` holds one module ``cardcage_NAME.py`` (an
+:class:`~cardcage.Accelerator` subclass with a rule, an availability, ``setup`` and ``train``
+that really train, on the CPU, with the core's loop), its ``pyproject.toml`` (hatchling, the
+entry point ``NAME = "cardcage_NAME"`` in the group ``cardcage``), a README, tests that pass
+as written, and a ``noxfile.py`` whose session runs them with the core and the plugin alone.
+The templates are files under ``cardcage/templates/plugin/``, filled in with
+:class:`string.Template` (``$name``, ``$module``, ...).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import keyword
+import os
+import re
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+from cardcage._version import __version__
+from cardcage.errors import MisconfigurationError
+
+#: The default order of the new backend's rule: after a single GPU (600), before the CPU
+#: fallback (1000).
+DEFAULT_ORDER = 700
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+MAX_NAME_LENGTH = 24
+#: Names the shipped backends use (canonical names, aliases and entry-point names), and
+#: ``core``, whose distribution ``cardcage-core`` is the core itself.
+RESERVED_NAMES = frozenset(
+    {"cpu", "gpu", "dp", "ddp", "ddp2", "ddp_spawn", "spawn", "ddp_cpu", "horovod", "tpu"}
+    | {"core"}
+)
+#: Template file (under ``templates/plugin``) → path in the new distribution.
+FILES = {
+    "pyproject.toml.tmpl": "pyproject.toml",
+    "module.py.tmpl": "{module}.py",
+    "README.md.tmpl": "README.md",
+    "noxfile.py.tmpl": "noxfile.py",
+    "test_plugin.py.tmpl": "tests/test_{name}.py",
+}
+
+
+@dataclass(frozen=True)
+class PluginNames:
+    """Every name of a new plugin, derived from its backend name."""
+
+    name: str  # backend name and entry-point name: "my_npu"
+    distribution: str  # "cardcage-my-npu"
+    module: str  # "cardcage_my_npu"
+    class_name: str  # "MyNpuAccelerator"
+    switch: str  # the environment variable of its rule: "MY_NPU"
+    order: int
+    core_requirement: str  # "cardcage-core>=0.1,<0.2"
+
+
+def _core_requirement() -> str:
+    major, minor = (int(part) for part in __version__.split(".")[:2])
+    return f"cardcage-core>={major}.{minor},<{major}.{minor + 1}"
+
+
+def _installed_plugin(name: str) -> str | None:
+    """The distribution that already provides the entry point ``name``, if one does."""
+    for ep in metadata.entry_points(group="cardcage"):
+        if ep.name == name:
+            dist = getattr(ep, "dist", None)
+            return f"{dist.name} {dist.version}" if dist is not None else ep.value
+    return None
+
+
+def plugin_names(name: str, order: int = DEFAULT_ORDER) -> PluginNames:
+    """Check ``name`` and ``order`` and derive the plugin's names.
+
+    Raises :class:`~cardcage.MisconfigurationError` for a name that is not a lower-case
+    identifier, a shipped backend's name, or an installed plugin's, and for an order below 1.
+    """
+    for prefix in ("cardcage-", "cardcage_"):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            raise MisconfigurationError(
+                f"new-plugin NAME={name!r} includes the prefix {prefix!r}: NAME is the backend "
+                f"name alone, and the distribution is named 'cardcage-NAME'. Use "
+                f"NAME={name[len(prefix) :]!r}."
+            )
+    if not NAME_PATTERN.fullmatch(name) or keyword.iskeyword(name) or len(name) > MAX_NAME_LENGTH:
+        raise MisconfigurationError(
+            f"new-plugin NAME={name!r} is not a backend name: use lower-case letters, digits "
+            f"and underscores, starting with a letter, at most {MAX_NAME_LENGTH} characters, "
+            "not a Python keyword (for example 'acme' or 'my_npu')."
+        )
+    if name in RESERVED_NAMES:
+        raise MisconfigurationError(
+            f"new-plugin NAME={name!r} is taken by a backend that ships with cardcage (or by "
+            "the core). Pick another NAME, such as the name of your device or cluster."
+        )
+    installed = _installed_plugin(name)
+    if installed is not None:
+        raise MisconfigurationError(
+            f"new-plugin NAME={name!r} is already the name of an installed cardcage plugin "
+            f"({installed}); two plugins of one name cannot both load. Pick another NAME, or "
+            f"uninstall that plugin first."
+        )
+    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+        raise MisconfigurationError(
+            f"--order={order!r} is not a rule order: use a positive integer. Rules run in "
+            "ascending order (horovod 100, tpu 200, ddp 300, ddp_spawn 400 and 500, gpu 600, "
+            f"cpu 1000); the default, {DEFAULT_ORDER}, comes after a single GPU and before "
+            "the CPU fallback."
+        )
+    words = name.split("_")
+    return PluginNames(
+        name=name,
+        distribution="cardcage-" + name.replace("_", "-"),
+        module=f"cardcage_{name}",
+        class_name="".join(word[:1].upper() + word[1:] for word in words) + "Accelerator",
+        switch=name.upper(),
+        order=order,
+        core_requirement=_core_requirement(),
+    )
+
+
+def render(names: PluginNames) -> dict[str, str]:
+    """The new distribution's files: relative path → text."""
+    folder = resources.files("cardcage").joinpath("templates", "plugin")
+    values = {key: str(value) for key, value in asdict(names).items()}
+    return {
+        target.format(module=names.module, name=names.name): Template(
+            folder.joinpath(source).read_text(encoding="utf-8")
+        ).substitute(values)
+        for source, target in FILES.items()
+    }
+
+
+def new_plugin(
+    name: str,
+    directory: str | os.PathLike[str] | None = None,
+    order: int = DEFAULT_ORDER,
+) -> tuple[PluginNames, Path, list[str]]:
+    """Write the distribution ``cardcage-NAME`` into ``directory``.
+
+    ``directory`` defaults to ``./cardcage-NAME``; it must not exist, or be empty: no file
+    is ever overwritten. Returns the names, the directory and the files written (relative
+    paths). Raises :class:`~cardcage.MisconfigurationError` for a bad name, order or
+    directory, before writing anything.
+    """
+    names = plugin_names(name, order)
+    target = Path(directory) if directory is not None else Path(names.distribution)
+    where = (
+        f"--directory={str(target)!r}"
+        if directory is not None
+        else (f"the directory {str(target)!r} (the default of --directory)")
+    )
+    if target.exists() and not target.is_dir():
+        raise MisconfigurationError(
+            f"{where} is a file. Name a directory that does not exist yet with --directory."
+        )
+    if target.is_dir() and any(target.iterdir()):
+        raise MisconfigurationError(
+            f"{where} already exists and is not empty, and new-plugin never overwrites "
+            "files. Name a new or empty directory with --directory, or remove that one."
+        )
+    files = render(names)
+    for relative, text in files.items():
+        path = target / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return names, target, list(files)
