@@ -33,6 +33,11 @@ Each variant runs in a fresh subprocess (imports and memory are its own), and th
 are interleaved: every round runs each one once, in a shuffled order, so that load from
 other processes on the machine hits all of them alike. torch's one-time lazy import of
 ``torch._dynamo`` (on the first optimizer) is paid before any timing, in every variant.
+Right before the timed region every variant collects garbage and calls ``gc.freeze()``
+(``--gc default`` does not): a full collection walks torch's whole import heap (~140 ms
+here), and where the two or three of a run land, inside the steady window or not, decided
+more of a ratio than the framework did. The collections each variant still makes while it
+trains, and their time, are reported.
 
 Timings, per step:
 
@@ -66,6 +71,7 @@ beyond the plain loop: its overhead, call by call.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -169,28 +175,72 @@ def build(
     return Model(), loader
 
 
-def train(framework: str, model: Any, loader: Any, steps: int) -> tuple[float, float, int]:
-    """Train for ``steps`` steps; return wall and CPU seconds around ``fit``, and the steps.
+class Collections:
+    """Garbage collections per generation, and the seconds they took, while it is on."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def settle(gc_mode: str) -> None:
+    """Right before the timed region, the same in every variant.
+
+    ``freeze``: collect, then move everything alive (torch's import heap above all) to the
+    permanent generation. A full collection walks that heap in ~140 ms here; two or three
+    land somewhere in a 2000-step run, inside the steady window in some runs and outside it in
+    others, which made per-round ratios swing by +-10%. Frozen, a full collection only walks
+    what the run itself allocated, so a framework that allocates more still pays for it.
+    ``default``: leave the collector alone.
+    """
+    if gc_mode == "freeze":
+        gc.collect()
+        gc.freeze()
+
+
+def train(
+    framework: str, model: Any, loader: Any, steps: int, gc_mode: str = "freeze"
+) -> tuple[float, float, int, Collections]:
+    """Train for ``steps`` steps; return wall and CPU seconds around ``fit``, the steps, and
+    the garbage collections in between.
 
     For ``plain`` the timed region is what ``fit`` does for the others: make the optimizer,
     put the module in training mode, loop.
     """
     perf_counter, process_time = time.perf_counter, time.process_time
     if framework == "plain":
-        start, cpu = perf_counter(), process_time()
-        optimizer = model.configure_optimizers()
-        model.train()
-        step = 0
-        while step < steps:
-            for batch_idx, batch in enumerate(loader):
-                optimizer.zero_grad()
-                loss = model.training_step(batch, batch_idx)
-                loss.backward()
-                optimizer.step()
-                step += 1
-                if step >= steps:
-                    break
-        return perf_counter() - start, process_time() - cpu, step
+        settle(gc_mode)
+        with Collections() as collections:
+            start, cpu = perf_counter(), process_time()
+            optimizer = model.configure_optimizers()
+            model.train()
+            step = 0
+            while step < steps:
+                for batch_idx, batch in enumerate(loader):
+                    optimizer.zero_grad()
+                    loss = model.training_step(batch, batch_idx)
+                    loss.backward()
+                    optimizer.step()
+                    step += 1
+                    if step >= steps:
+                        break
+            elapsed, cpu = perf_counter() - start, process_time() - cpu
+        return elapsed, cpu, step, collections
     if framework == "cardcage":
         import cardcage
 
@@ -211,9 +261,12 @@ def train(framework: str, model: Any, loader: Any, steps: int) -> tuple[float, f
         )
     else:
         raise ValueError(f"unknown framework {framework!r}")
-    start, cpu = perf_counter(), process_time()
-    trainer.fit(model, loader)
-    return perf_counter() - start, process_time() - cpu, int(trainer.global_step)
+    settle(gc_mode)
+    with Collections() as collections:
+        start, cpu = perf_counter(), process_time()
+        trainer.fit(model, loader)
+        elapsed, cpu = perf_counter() - start, process_time() - cpu
+    return elapsed, cpu, int(trainer.global_step), collections
 
 
 def weights_digest(model: Any) -> str:
@@ -236,7 +289,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     model, loader = build(spec["framework"], spec["width"], steps_per_epoch, spec["loader"])
     setup_s = time.perf_counter() - start
-    elapsed, cpu, done = train(spec["framework"], model, loader, steps)
+    elapsed, cpu, done, collections = train(
+        spec["framework"], model, loader, steps, spec.get("gc", "freeze")
+    )
     marks = model.marks
     steady = steady_cpu = None
     if len(marks) >= 3:
@@ -255,6 +310,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "digest": weights_digest(model),
         "torch_threads": torch.get_num_threads(),
+        "gc_count": collections.count,
+        "gc_s": collections.seconds,
     }
 
 
@@ -329,6 +386,9 @@ def summarise(results: list[dict[str, Any]], frameworks: list[str]) -> list[dict
             row["same_weights"] = all(runs[i]["digest"] == plain[i]["digest"] for i in rounds)
             row["steps_ok"] = all(runs[i]["steps_done"] == runs[i]["steps"] for i in rounds)
             row["log_bytes"] = statistics.median(runs[i]["log_bytes"] for i in rounds)
+            row["gc_full"] = statistics.median(runs[i]["gc_count"][2] for i in rounds)
+            row["gc_all"] = statistics.median(sum(runs[i]["gc_count"]) for i in rounds)
+            row["gc_ms"] = statistics.median(1000 * runs[i]["gc_s"] for i in rounds)
             row["target"], row["verdict"] = {
                 "plain": ("baseline", None),
                 "lightning": ("reference", None),
@@ -428,7 +488,7 @@ def _profiled(framework: str, width: int, steps: int, spe: int, loader: str) -> 
         sys.stderr = sys.stdout = devnull
         try:
             profiler.enable()
-            _, _, done = train(framework, model, data, steps)
+            _, _, done, _ = train(framework, model, data, steps)
             profiler.disable()
         finally:
             sys.stderr, sys.stdout = stderr, stdout
@@ -506,6 +566,14 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help="default: DataLoader(batch_size=64); batched: one index operation per batch",
     )
+    parser.add_argument(
+        "--gc",
+        choices=["freeze", "default"],
+        default="freeze",
+        help="freeze (default): gc.freeze() after setup in every variant, so that full "
+        "collections of torch's import heap do not land at random in the timed window; "
+        "default: leave the collector alone",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the round orders")
     parser.add_argument("--no-lightning", action="store_true", help="leave Lightning out")
     parser.add_argument("--json", metavar="PATH", help="also write every run and the summary")
@@ -553,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     loads = [os.getloadavg()[0]]
     print(
         f"overhead: {rounds} rounds x {len(frameworks) * len(MODELS)} runs of {steps} steps "
-        f"({epochs} epochs of {steps_per_epoch}, batch {BATCH}, {args.loader} loader), "
+        f"({epochs} epochs of {steps_per_epoch}, batch {BATCH}, {args.loader} loader, "
+        f"gc {args.gc}), "
         f"1 torch thread; torch {torch_version}, python {platform.python_version()}, "
         f"{cpus} CPUs, load average {loads[0]:.2f}; lightning: "
         f"{lightning or 'not installed (pip install -e .[bench])'}",
@@ -574,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": steps,
                     "steps_per_epoch": steps_per_epoch,
                     "loader": args.loader,
+                    "gc": args.gc,
                     "round": index,
                 }
                 try:
@@ -593,7 +663,12 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     print()
     for row in rows:
+        collected = (
+            f"{row['gc_all']:.0f} garbage collections during fit, {row['gc_full']:.0f} full, "
+            f"{row['gc_ms']:.0f} ms (medians)"
+        )
         if row["framework"] == "plain":
+            print(f"  plain/{row['model']}: {collected}")
             continue
         notes = ["same weights as plain" if row["same_weights"] else "WEIGHTS DIFFER from plain"]
         if not row["steps_ok"]:
@@ -602,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
             notes.append("its progress bar wrote nothing")
         print(
             f"  {row['framework']}/{row['model']}: {', '.join(notes)}; bar output "
-            f"{row['log_bytes'] / 1024:.0f} KiB; import and build {row['setup_s']:.2f} s"
+            f"{row['log_bytes'] / 1024:.0f} KiB; import and build {row['setup_s']:.2f} s; "
+            f"{collected}"
         )
     if max(loads) > cpus:
         print(

@@ -1,6 +1,7 @@
 """``cardcage.submit`` without a cluster: grids, the planned layout, the exact sbatch scripts of
 a dry run, validation errors, ``cardcage submit``/``cardcage jobs`` exit statuses, what a job
-runs (``_run_point``) and how states are read from SLURM's commands (faked here).
+runs (``cardcage.submit.run._run_point``) and how states are read from SLURM's commands
+(faked here).
 
 The real submissions are in tests/slurm/test_submit.py.
 """
@@ -24,6 +25,9 @@ from cardcage import cli
 from cardcage import submit as sub
 from cardcage.requeue import REQUEUED_EXIT_STATUS
 from cardcage.submit import Grid, SlurmJob
+from cardcage.submit.run import _run_point
+from cardcage.submit.sbatch import _python_command
+from cardcage.submit.submission import _points
 
 pytest.importorskip("submitit")
 
@@ -257,7 +261,7 @@ def test_dry_run_is_the_script_submitit_writes(tmp_path: Path) -> None:
     )
     executor = object.__new__(submitit.SlurmExecutor)
     submitit.core.core.PicklingExecutor.__init__(executor, item.folder)
-    executor.python = sub._python_command(SlurmJob())
+    executor.python = _python_command(SlurmJob())
     executor.update_parameters(**item.parameters)
     text = executor._make_submission_file_text(executor._submitit_command_str, "uid")
     assert text == item.script
@@ -346,12 +350,15 @@ def test_submit_without_srun_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.slow
 def test_import_cardcage_does_not_import_submitit() -> None:
+    # cardcage.SlurmJob loads the submission package on first use; submitit waits until a
+    # job is planned
     code = (
         "import sys, cardcage; print('submitit' in sys.modules, 'cardcage.submit' in sys.modules)"
+        "; cardcage.SlurmJob; print('submitit' in sys.modules, 'cardcage.submit' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "True"]
+    assert done.stdout.split() == ["False", "False", "False", "True"]
 
 
 # -- what a job runs ---------------------------------------------------------------------------
@@ -359,7 +366,7 @@ def test_import_cardcage_does_not_import_submitit() -> None:
 
 def _point(tmp_path: Path, target: str, **changes: Any) -> sub.GridPoint:
     plan = SlurmJob(trainer={"max_epochs": 2}).plan()
-    _root, points = sub._points(
+    _root, points = _points(
         plan,
         target,
         changes.pop("grid", {"lr": 0.1, "layers": 2}),
@@ -378,7 +385,7 @@ def test_run_point_calls_the_function_with_its_hyperparameters(
 ) -> None:
     monkeypatch.delenv(sub.RUN_VARIABLE, raising=False)
     point = _point(tmp_path, f"{function_file}:train", kwargs={"extra": 5})
-    value = sub._run_point(point)
+    value = _run_point(point)
     assert value["lr"] == 0.1 and value["layers"] == 2 and value["extra"] == 5
     assert value["index"] == 0 and value["folder"] == point.folder
     assert value["flags"] == {"max_epochs": 2, "num_nodes": 1}
@@ -391,14 +398,12 @@ def test_run_point_of_a_script(
 ) -> None:
     out = tmp_path / "argv"
     monkeypatch.setenv("CARDCAGE_TEST_OUT", str(out))
-    assert sub._run_point(_point(tmp_path / "a", str(function_file), args=("0",))) is None
+    assert _run_point(_point(tmp_path / "a", str(function_file), args=("0",))) is None
     assert out.read_text() == "0 --lr=0.1 --layers=2"
     with pytest.raises(RuntimeError, match="exited with status 3"):
-        sub._run_point(_point(tmp_path / "b", str(function_file), args=("3",)))
+        _run_point(_point(tmp_path / "b", str(function_file), args=("3",)))
     with pytest.raises(SystemExit) as requeued:  # a requeue leaves no result: it runs again
-        sub._run_point(
-            _point(tmp_path / "c", str(function_file), args=(str(REQUEUED_EXIT_STATUS),))
-        )
+        _run_point(_point(tmp_path / "c", str(function_file), args=(str(REQUEUED_EXIT_STATUS),)))
     assert requeued.value.code == REQUEUED_EXIT_STATUS
     assert not (tmp_path / "c" / "g" / "000-lr=0.1-layers=2" / sub.RESULT_FILE).exists()
 
@@ -413,7 +418,7 @@ def test_run_point_takes_the_signals_back_from_submitit(
         monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
         for sig in handlers:  # what submitit's process_job installs
             signal.signal(sig, lambda *_: None)
-        sub._run_point(_point(tmp_path, f"{function_file}:train"))
+        _run_point(_point(tmp_path, f"{function_file}:train"))
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # scancel ends the task
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # cardcage's, at fit
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN  # submitit's, unused

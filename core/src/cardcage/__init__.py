@@ -7,13 +7,17 @@ selection engine; every backend is a plugin found through the entry-point group
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator, Availability, Resolution, Rule
 from cardcage.errors import MisconfigurationError, PluginError
 from cardcage.selection import Selection, SelectionContext, select
 from cardcage.spec import hookimpl
-from cardcage.submit import SlurmJob
 from cardcage.trainer import Trainer
+
+if TYPE_CHECKING:
+    from cardcage.submit import SlurmJob
 
 __all__ = [
     "Accelerator",
@@ -30,3 +34,13 @@ __all__ = [
     "hookimpl",
     "select",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # cardcage.SlurmJob loads the submission package (and its CLI) on first use only: most
+    # programs that import cardcage never submit a job.
+    if name == "SlurmJob":
+        from cardcage.submit import SlurmJob
+
+        return SlurmJob
+    raise AttributeError(f"module 'cardcage' has no attribute {name!r}")

@@ -1,0 +1,166 @@
+"""Per-step overhead of cardcage over a plain PyTorch loop, counted in CPU instructions.
+
+``overhead.py`` times steps; on a shared 2-core machine its per-round ratios swing by several
+per cent, more than the 2-5% it is meant to resolve. Instructions do not depend on what else
+the machine is doing: ``valgrind --tool=callgrind`` counts every instruction a process
+executes, the same count for the same program and inputs (``PYTHONHASHSEED`` fixed).
+
+Each variant (``plain``, ``cardcage``, ``lightning`` when installed and asked for) trains the
+model of ``overhead.py`` (same data, batch 64, one torch thread, the progress bar on for the
+frameworks) twice under callgrind: for ``--short`` steps and for ``--long`` steps, whole
+epochs of ``--epoch`` steps each. The difference between the two counts, divided by the
+difference in steps, is the cost of one step with its share of the per-epoch work;
+start-up (imports, plugin discovery, building the model) cancels out. Two processes run at
+a time. Expect about 2 minutes a process (valgrind runs Python 50x slower).
+
+    python benchmarks/instructions.py                  # tiny and mlp, plain and cardcage
+    python benchmarks/instructions.py --lightning      # Lightning beside them
+    python benchmarks/instructions.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MODELS = {"tiny": 32, "mlp": 256}
+TARGETS = {"tiny": 1.05, "mlp": 1.02}
+COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+
+
+def child(framework: str, width: int, steps: int, epoch: int) -> None:
+    """Train ``steps`` steps in this process (run under callgrind by the parent)."""
+    sys.path.insert(0, str(HERE))
+    import overhead
+    import torch
+
+    torch.set_num_threads(1)
+    model, loader = overhead.build(framework, width, epoch)
+    # gc.freeze() as in overhead.py: a full collection of torch's heap lands at a different
+    # step in runs of different lengths, and would not cancel out.
+    _, _, done, _ = overhead.train(framework, model, loader, steps, "freeze")
+    assert done == steps, (done, steps)
+
+
+def count(args: list[str], log: Path) -> int:
+    """Instructions executed by ``python instructions.py --child ARGS`` under callgrind."""
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        "--callgrind-out-file=/dev/null",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        *args,
+    ]
+    with log.open("w") as out:  # the bars and valgrind's report
+        result = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1800, check=False
+        )
+    text = log.read_text(errors="replace")
+    found = COLLECTED.findall(text)
+    if result.returncode != 0 or not found:
+        raise RuntimeError(f"{' '.join(args)} failed (exit {result.returncode}):\n{text[-2000:]}")
+    return int(found[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--short", type=int, default=100, help="steps of the short run")
+    parser.add_argument("--long", type=int, default=300, help="steps of the long run")
+    parser.add_argument("--epoch", type=int, default=50, help="steps per epoch")
+    parser.add_argument("--lightning", action="store_true", help="count Lightning too")
+    parser.add_argument("--json", metavar="PATH", help="also write the counts")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        framework, width, steps, epoch = args.child
+        child(framework, int(width), int(steps), int(epoch))
+        return 0
+    if shutil.which("valgrind") is None:
+        print("instructions: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 1
+    if args.long <= args.short or args.short % args.epoch or args.long % args.epoch:
+        parser.error("--short and --long must be whole epochs, and --long more than --short")
+
+    frameworks = ["plain", "cardcage"] + (["lightning"] if args.lightning else [])
+    jobs = [
+        (framework, model, steps)
+        for model in MODELS
+        for framework in frameworks
+        for steps in (args.short, args.long)
+    ]
+    print(
+        f"instructions: {len(jobs)} processes under callgrind, 2 at a time; steps "
+        f"{args.short} and {args.long}, epochs of {args.epoch}",
+        flush=True,
+    )
+    counts: dict[tuple[str, str, int], int] = {}
+    with tempfile.TemporaryDirectory(prefix="cardcage-instructions-") as tmp:
+
+        def one(job: tuple[str, str, int]) -> None:
+            framework, model, steps = job
+            log = Path(tmp) / f"{framework}-{model}-{steps}.log"
+            child_args = [framework, str(MODELS[model]), str(steps), str(args.epoch)]
+            counts[job] = count(child_args, log)
+            print(f"  {framework}/{model}/{steps} steps: {counts[job]:,}", flush=True)
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for future in [pool.submit(one, job) for job in jobs]:
+                future.result()
+
+    rows: list[dict[str, Any]] = []
+    print(f"\n{'model':<12} {'variant':<10} {'instructions/step':>18} {'ratio':>7} {'target':>7}")
+    for model in MODELS:
+        per_step = {
+            framework: (
+                counts[(framework, model, args.long)] - counts[(framework, model, args.short)]
+            )
+            / (args.long - args.short)
+            for framework in frameworks
+        }
+        for framework in frameworks:
+            ratio = per_step[framework] / per_step["plain"]
+            target = TARGETS[model] if framework == "cardcage" else None
+            rows.append(
+                {
+                    "model": model,
+                    "framework": framework,
+                    "per_step": per_step[framework],
+                    "ratio": ratio,
+                }
+            )
+            verdict = "" if target is None else ("pass" if ratio <= target else "MISS")
+            label = f"{model} (w={MODELS[model]})"
+            print(
+                f"{label:<12} {framework:<10} {per_step[framework]:>18,.0f} "
+                f"{ratio:>7.3f} {target or '':>7} {verdict}"
+            )
+    print(
+        "\ninstructions/step: (count of the long run - count of the short run) / their "
+        "difference in steps;\nratio: to the plain loop's. Start-up cancels out; the per-epoch "
+        "work is in."
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"counts": {"/".join(map(str, k)): v for k, v in counts.items()}, "rows": rows},
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
