@@ -6,8 +6,8 @@ the machine is doing: ``valgrind --tool=callgrind`` counts every instruction a p
 executes, the same count for the same program and inputs (``PYTHONHASHSEED`` fixed).
 
 Each variant (``plain``, ``cardcage``, ``lightning`` when installed and asked for) trains the
-model of ``overhead.py`` (same data, batch 64, one torch thread, the progress bar on for the
-frameworks) twice under callgrind: for ``--short`` steps and for ``--long`` steps, whole
+model of ``overhead.py`` (same data, batch 64, one torch thread, no progress bar: see
+``child``) twice under callgrind: for ``--short`` steps and for ``--long`` steps, whole
 epochs of ``--epoch`` steps each. The difference between the two counts, divided by the
 difference in steps, is the cost of one step with its share of the per-epoch work;
 start-up (imports, plugin discovery, building the model) cancels out. Two processes run at
@@ -48,7 +48,11 @@ def child(framework: str, width: int, steps: int, epoch: int) -> None:
     model, loader = overhead.build(framework, width, epoch)
     # gc.freeze() as in overhead.py: a full collection of torch's heap lands at a different
     # step in runs of different lengths, and would not cancel out.
-    _, _, done, _ = overhead.train(framework, model, loader, steps, "freeze")
+    # No progress bars: tqdm redraws at most every 0.1 s of wall time, which is every ~100
+    # steps of the tiny model normally but every step or two under valgrind's 50x slowdown;
+    # counted here, the bar would cost 50 times what it costs in real time. overhead.py
+    # times the bars for real.
+    _, _, done, _ = overhead.train(framework, model, loader, steps, "freeze", bar=False)
     assert done == steps, (done, steps)
 
 

@@ -214,7 +214,12 @@ def settle(gc_mode: str) -> None:
 
 
 def train(
-    framework: str, model: Any, loader: Any, steps: int, gc_mode: str = "freeze"
+    framework: str,
+    model: Any,
+    loader: Any,
+    steps: int,
+    gc_mode: str = "freeze",
+    bar: bool = True,
 ) -> tuple[float, float, int, Collections]:
     """Train for ``steps`` steps; return wall and CPU seconds around ``fit``, the steps, and
     the garbage collections in between.
@@ -245,7 +250,7 @@ def train(
         import cardcage
 
         trainer = cardcage.Trainer(
-            distributed_backend="cpu", max_epochs=None, max_steps=steps, progress_bar=True
+            distributed_backend="cpu", max_epochs=None, max_steps=steps, progress_bar=bar
         )
         assert trainer.selection.accelerator == "cpu", trainer.selection
     elif framework == "lightning":
@@ -255,7 +260,7 @@ def train(
             logger=False,
             enable_checkpointing=False,
             enable_model_summary=False,
-            enable_progress_bar=True,
+            enable_progress_bar=bar,
             accelerator="cpu",
             devices=1,
         )
