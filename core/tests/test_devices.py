@@ -259,3 +259,33 @@ def test_cuda_environment_on_the_cpu_sets_only_the_order() -> None:
     environ: dict[str, str] = {}
     apply_cuda_environment(None, slurm_managing_tasks=False, environ=environ)
     assert environ == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def test_auto_select_without_nvml_probes_the_gpus_when_training_starts(
+    cuda_count_4: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    import cardcage
+    from cardcage import devices
+
+    monkeypatch.setattr(devices, "_nvml_free_memory", lambda: None)
+    busy = {0, 2}  # exclusive-mode GPUs taken by another job
+    probed: list[int] = []
+
+    def probe(device: int) -> bool:
+        probed.append(device)
+        return device not in busy
+
+    monkeypatch.setattr(devices, "_probe", probe)
+    monkeypatch.setenv("CARDCAGE_GPUS", "")  # recorded, so the variable fit() sets is undone
+    monkeypatch.delenv("CARDCAGE_GPUS")
+    trainer = cardcage.Trainer(gpus=2, auto_select_gpus=True, distributed_backend="dp")
+    assert probed == []  # the constructor creates no CUDA context
+    assert trainer.selection.auto_select_pending
+    trainer._probe_auto_selected_gpus()  # what fit() does first
+    assert trainer.selection.gpu_ids == [1, 3] and trainer.selection.root_gpu == 1
+    assert trainer.accelerator.selection is trainer.selection
+    assert os.environ["CARDCAGE_GPUS"] == "1,3"  # processes started later agree
+    again = cardcage.Trainer(gpus=2, auto_select_gpus=True, distributed_backend="dp")
+    assert again.selection.gpu_ids == [1, 3] and not again.selection.auto_select_pending

@@ -129,6 +129,7 @@ class Trainer:
         self.val_dataloaders = _loaders(val_dataloaders)
         if self.flags.benchmark:
             torch.backends.cudnn.benchmark = True
+        self._probe_auto_selected_gpus()
         if self.selection.gpu_ids:
             devices.apply_cuda_environment(
                 self.selection.gpu_ids,
@@ -136,6 +137,27 @@ class Trainer:
             )
         self.results = self._hooks().cardcage_train(trainer=self, accelerator=self.accelerator)
         return self.results
+
+    def _probe_auto_selected_gpus(self) -> None:
+        """``auto_select_gpus`` without NVML: probe the GPUs now, as Lightning 1.0 did.
+
+        Allocating on a GPU creates a CUDA context, which ``select`` must not, so the choice
+        waits until training starts. The ids go to ``CARDCAGE_GPUS``, so that processes this
+        one starts take the same GPUs instead of probing again.
+        """
+        selection = self.selection
+        if not selection.auto_select_pending or selection.processes_created_outside:
+            return
+        count = len(selection.gpu_ids or [])
+        ids = devices.pick_multiple_gpus(count, free_memory=lambda: None, probe=devices._probe)
+        os.environ["CARDCAGE_GPUS"] = ",".join(map(str, ids))
+        self.selection = dataclasses.replace(
+            selection,
+            gpu_ids=ids,
+            root_gpu=devices.determine_root_gpu_device(ids),
+            auto_select_pending=False,
+        )
+        self.accelerator.selection = self.selection
 
     def validate(
         self, model: torch.nn.Module | None = None, dataloaders: Any = None
