@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import plugin_install
 import pytest
+from plugin_install import describe, pip_install, run
 
 pytestmark = pytest.mark.slow
 
-STEERING_PREFIXES = ("CARDCAGE_", "PL_TRAINER_", "SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_")
-STEERING_PREFIXES += ("PMIX_", "HOROVOD_", "ACME")
-STEERING_NAMES = ("WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "PYTHONPATH")
-STEERING_NAMES += ("MASTER_ADDR", "MASTER_PORT", "PJRT_DEVICE", "LOCAL_WORLD_SIZE")
+STEERING_PREFIXES = (*plugin_install.STEERING_PREFIXES, "ACME")
+STEERING_NAMES = (*plugin_install.STEERING_NAMES, "LOCAL_WORLD_SIZE")
 
 
 @dataclass(frozen=True)
@@ -38,54 +34,7 @@ class Generated:
 
 def child_env(site: Path, **extra: str) -> dict[str, str]:
     """The parent's environment without anything that steers plugins or selection."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(STEERING_PREFIXES) and key not in STEERING_NAMES
-    }
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = str(site)
-    env.update(extra)
-    return env
-
-
-def describe(result: subprocess.CompletedProcess[str]) -> str:
-    return (
-        f"$ {' '.join(map(str, result.args))}\nexit {result.returncode}\n"
-        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    )
-
-
-def run(
-    args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: int = 300
-) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=dict(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert result.returncode == 0, describe(result)
-    return result
-
-
-def pip_install(target: Path, source: Path) -> None:
-    """``pip install --no-deps --target``, without build isolation when hatchling is here."""
-    base = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check"]
-    base += ["--quiet", "--target", str(target), str(source)]
-    attempts = [base]
-    if importlib.util.find_spec("hatchling") is not None:
-        attempts.insert(0, [*base, "--no-build-isolation"])
-    failures = []
-    for command in attempts:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-        if result.returncode == 0:
-            return
-        failures.append(describe(result))
-    pytest.fail("could not pip-install the generated plugin:\n" + "\n".join(failures))
+    return plugin_install.child_env([site], STEERING_PREFIXES, STEERING_NAMES, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +44,7 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Generated:
     result = run(["-m", "cardcage", "new-plugin", "acme"], root, child_env(site))
     project = root / "cardcage-acme"
     assert result.stdout.startswith("created cardcage-acme in cardcage-acme: pyproject.toml")
-    pip_install(site, project)
+    pip_install(site, [project], "the generated plugin")
     info = site / "cardcage_acme-0.1.0.dist-info"
     assert "acme = cardcage_acme" in (info / "entry_points.txt").read_text()
     assert (site / "cardcage_acme.py").read_text() == (project / "cardcage_acme.py").read_text()

@@ -9,20 +9,19 @@ variables and a rank file), against a plain PyTorch loop.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import plugin_install
 import pytest
 import torch
+from plugin_install import describe, pip_install, run, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "examples" / "plugin-tutorial"
@@ -31,10 +30,8 @@ PAGE = ROOT / "docs" / "writing-a-plugin.md"
 # a line --8<--, the files (path or path:section, relative to the repository root), --8<--.
 SNIPPETS = re.compile(r"^--8<--\n(.*?)\n--8<--$", re.MULTILINE | re.DOTALL)
 
-STEERING_PREFIXES = ("CARDCAGE_", "PL_TRAINER_", "SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_")
-STEERING_PREFIXES += ("PMIX_", "HOROVOD_", "LSB_", "JSM_")
-STEERING_NAMES = ("WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "PYTHONPATH")
-STEERING_NAMES += ("MASTER_ADDR", "MASTER_PORT", "PJRT_DEVICE", "LOCAL_WORLD_SIZE")
+STEERING_PREFIXES = (*plugin_install.STEERING_PREFIXES, "LSB_", "JSM_")
+STEERING_NAMES = (*plugin_install.STEERING_NAMES, "LOCAL_WORLD_SIZE")
 
 
 def test_every_snippet_the_page_includes_exists() -> None:
@@ -56,54 +53,15 @@ def test_every_snippet_the_page_includes_exists() -> None:
 
 
 def child_env(site: Path, **extra: str) -> dict[str, str]:
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(STEERING_PREFIXES) and key not in STEERING_NAMES
-    }
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = str(site)
-    env.update(extra)
-    return env
-
-
-def describe(result: subprocess.CompletedProcess[str]) -> str:
-    return (
-        f"$ {' '.join(map(str, result.args))}\nexit {result.returncode}\n"
-        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    )
-
-
-def run(args: Sequence[str], cwd: Path, env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=dict(env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, describe(result)
-    return result
+    return plugin_install.child_env([site], STEERING_PREFIXES, STEERING_NAMES, **extra)
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tutorial's plugin, installed into a directory of its own."""
     target = tmp_path_factory.mktemp("plugin_tutorial") / "site"
-    base = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check"]
-    base += ["--quiet", "--target", str(target), str(TUTORIAL)]
-    attempts = [base]
-    if importlib.util.find_spec("hatchling") is not None:
-        attempts.insert(0, [*base, "--no-build-isolation"])
-    failures = []
-    for command in attempts:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-        if result.returncode == 0:
-            return target
-        failures.append(describe(result))
-    pytest.fail("could not pip-install the tutorial's plugin:\n" + "\n".join(failures))
+    pip_install(target, [TUTORIAL], "the tutorial's plugin")
+    return target
 
 
 @pytest.mark.slow
@@ -116,14 +74,8 @@ def test_cardcage_lists_it_and_refuses_it_outside_jsrun(site: Path) -> None:
     assert rows["lsf"]["aliases"] == ["jsrun"]
     assert rows["lsf"]["available"] is False
     assert "not started by jsrun" in rows["lsf"]["reason"]
-    result = subprocess.run(
-        [sys.executable, "-m", "cardcage", "explain", "--backend", "jsrun"],
-        cwd=site.parent,
-        env=child_env(site),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    result = run_python(
+        ["-m", "cardcage", "explain", "--backend", "jsrun"], site.parent, child_env(site), 120
     )
     assert result.returncode == 2, describe(result)
     assert "launch the script with jsrun inside an LSF job" in result.stderr

@@ -20,18 +20,18 @@ Distributions:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import plugin_install
 import pytest
+from plugin_install import describe, pip_install
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,8 @@ FOO_VERSION = "0.3.1"
 BROKEN_MESSAGE = "cardcage_broken needs libfoo.so.7, which is not installed"
 FOO_REASON = "no Foo cluster controller answered (FOO_AVAILABLE is not 1)"
 
-STEERING_PREFIXES = ("CARDCAGE_", "PL_TRAINER_", "SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_")
-STEERING_PREFIXES += ("PMIX_", "HOROVOD_", "FOO_")
-STEERING_NAMES = ("WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK")
-STEERING_NAMES += ("MASTER_ADDR", "MASTER_PORT", "PJRT_DEVICE", "PYTHONPATH")
+STEERING_PREFIXES = (*plugin_install.STEERING_PREFIXES, "FOO_")
+STEERING_NAMES = plugin_install.STEERING_NAMES
 
 FOO_MODULE = f'''
 """A third-party cardcage backend for a made-up "Foo" cluster."""
@@ -169,22 +167,6 @@ def write_dist(root: Path, dist: Dist) -> Path:
     return folder
 
 
-def pip_install(target: Path, sources: Sequence[Path]) -> None:
-    """``pip install --no-deps --target`` without build isolation when hatchling is here."""
-    base = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check"]
-    base += ["--quiet", "--target", str(target), *map(str, sources)]
-    attempts = [base]
-    if importlib.util.find_spec("hatchling") is not None:
-        attempts.insert(0, [*base, "--no-build-isolation"])
-    failures = []
-    for command in attempts:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-        if result.returncode == 0:
-            return
-        failures.append(describe(result))
-    pytest.fail("could not pip-install the test plugins:\n" + "\n".join(failures))
-
-
 @dataclass(frozen=True)
 class Sites:
     main: Path  # foo, broken, invalid
@@ -199,7 +181,8 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Sites:
     for target, dists in zip(
         (found.main, found.dupes, found.fork), (MAIN_DISTS, DUPE_DISTS, FORK_DISTS), strict=True
     ):
-        pip_install(target, [write_dist(root / "src", dist) for dist in dists])
+        sources = [write_dist(root / "src", dist) for dist in dists]
+        pip_install(target, sources, "the test plugins")
         for dist in dists:
             assert (target / f"{dist.module}.py").is_file()
             info = target / f"{dist.name.replace('-', '_')}-{dist.version}.dist-info"
@@ -209,35 +192,13 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Sites:
 
 def child_env(paths: Sequence[Path], **extra: str) -> dict[str, str]:
     """The parent's environment without anything that steers plugins or selection."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(STEERING_PREFIXES) and key not in STEERING_NAMES
-    }
-    env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU host behaves like a CPU one
-    env["PYTHONPATH"] = os.pathsep.join(map(str, paths))
-    env.update(extra)
-    return env
-
-
-def describe(result: subprocess.CompletedProcess[str]) -> str:
-    return (
-        f"$ {' '.join(map(str, result.args))}\nexit {result.returncode}\n"
-        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    )
+    return plugin_install.child_env(paths, STEERING_PREFIXES, STEERING_NAMES, **extra)
 
 
 def run(args: Sequence[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     """``python <args>`` in a neutral directory (``-m`` and ``-c`` put it on ``sys.path``)."""
-    return subprocess.run(
-        [sys.executable, *args],
-        env=dict(env),
-        cwd=Path(env["PYTHONPATH"].split(os.pathsep)[0]).parent,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    cwd = Path(env["PYTHONPATH"].split(os.pathsep)[0]).parent
+    return plugin_install.run_python(args, cwd, env, timeout=180)
 
 
 def cardcage(

@@ -1,0 +1,25 @@
+"""Makes tests/plugin_install.py importable as ``plugin_install`` by the test files here.
+
+pyproject.toml runs pytest with ``--import-mode=importlib``, which leaves tests/ off
+``sys.path``, so a test module cannot import a helper module next to it on its own. This
+imports it once (with pytest's assertion rewriting, as in a test module) and leaves
+``sys.path`` as it was.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = str(Path(__file__).resolve().parent)
+
+pytest.register_assert_rewrite("plugin_install")
+if "plugin_install" not in sys.modules:
+    sys.path.insert(0, HERE)
+    try:
+        importlib.import_module("plugin_install")
+    finally:
+        sys.path.remove(HERE)
