@@ -17,6 +17,13 @@
   session's torch (PyTorch + Gloo, about 5 minutes on 2 cores) once, caches it outside the
   repository (~/.cache/cardcage/horovod/<horovod>-torch<torch>/, or $CARDCAGE_CACHE_DIR), and
   later runs reuse it (the log says "reusing cached Horovod wheel ...").
+- bench (not in the default run: benchmarks measure, they do not pass or fail): the
+  benchmarks of benchmarks/ against plain PyTorch and PyTorch Lightning (the `bench` extra),
+  each in its quick form; `nox -s bench -- overhead --rounds 13` runs one with its own
+  arguments. Give it a quiet machine.
+
+Every default session together took 36 minutes in CI's conditions on this 2-core machine
+(caches warm); CI allows 90.
 
 Sessions use the interpreter nox runs under and reuse their virtual environments between runs
 (`--reuse-venv=no` starts afresh). torch is pinned once, in requirements-dev.txt, and the tool
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -221,3 +229,29 @@ try:
 except m.PackageNotFoundError:
     raise SystemExit(1)
 """
+
+
+BENCHMARKS = {
+    "discovery": ("--rounds", "5"),
+    "overhead": ("--quick",),
+    "ddp": ("--quick",),
+    "instructions": ("--short", "50", "--long", "100"),
+}
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """benchmarks/*.py against plain PyTorch and Lightning; ``-- NAME [ARGS]`` runs one."""
+    plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn")
+    _install(session, *plugins, tools=tuple(DEV_EXTRA["bench"]))
+    if session.posargs:
+        name, *arguments = session.posargs
+        if name not in BENCHMARKS:
+            session.error(f"no benchmark {name!r}: choose from {', '.join(BENCHMARKS)}")
+        session.run("python", f"benchmarks/{name}.py", *arguments)
+        return
+    for name, arguments in BENCHMARKS.items():
+        if name == "instructions" and not shutil.which("valgrind"):
+            session.log("instructions: skipped, valgrind is not installed")
+            continue
+        session.run("python", f"benchmarks/{name}.py", *arguments)
