@@ -22,8 +22,9 @@
   each in its quick form; `nox -s bench -- overhead --rounds 13` runs one with its own
   arguments. Give it a quiet machine.
 
-Every default session together took 36 minutes in CI's conditions on this 2-core machine
-(caches warm); CI allows 90.
+Every default session together, from a fresh clone through .ci/run, took 24 minutes on this
+quiet 2-core machine (36 with a benchmark running beside it), with the Horovod wheel and the
+torch-xla wheelhouse cached; CI allows 90.
 
 Sessions use the interpreter nox runs under and reuse their virtual environments between runs
 (`--reuse-venv=no` starts afresh). torch is pinned once, in requirements-dev.txt, and the tool
