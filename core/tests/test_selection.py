@@ -646,3 +646,10 @@ def test_processes_per_node_come_from_the_launcher_that_started_them(cuda_count_
     mpirun.update(OMPI_COMM_WORLD_LOCAL_RANK="1", OMPI_COMM_WORLD_LOCAL_SIZE="3")
     mpirun.update(CARDCAGE_DISABLE_PLUGINS="horovod", MASTER_ADDR="a", MASTER_PORT="29500")
     assert select(env=mpirun).num_processes == 3
+
+
+def test_device_count_plans_for_another_machine(cuda_count_0: int) -> None:
+    # a login node without GPUs planning a job for nodes with 8 (cardcage.submit does this)
+    selection = select(env={}, device_count=8, gpus=8)
+    assert (selection.accelerator, selection.num_processes) == ("ddp_spawn", 8)
+    assert select(env={}).accelerator == "cpu"  # this machine's count is read again after

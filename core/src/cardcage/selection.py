@@ -184,11 +184,15 @@ def _lookup(registry: plugins.Registry, name: str) -> type[Accelerator]:
     return registry.accelerators[canonical].cls
 
 
-def select(*, env: Mapping[str, str] | None = None, **flags: Any) -> Selection:
+def select(
+    *, env: Mapping[str, str] | None = None, device_count: int | None = None, **flags: Any
+) -> Selection:
     """Choose the backend for ``flags`` (the Trainer's) in environment ``env``.
 
     Args:
         env: stands in for ``os.environ`` (the default).
+        device_count: the CUDA devices to assume instead of this machine's (planning a job
+            for a compute node from a login node); ``None`` asks torch.
         **flags: ``gpus``, ``tpu_cores``, ``num_processes``, ``num_nodes``,
             ``distributed_backend``, ... as for :class:`cardcage.Trainer`.
 
@@ -208,7 +212,8 @@ def select(*, env: Mapping[str, str] | None = None, **flags: Any) -> Selection:
     gpu_flag = "gpus"
     if override is not None:
         gpu_flag, gpus = override
-    device_count = devices.cuda_device_count()
+    if device_count is None:
+        device_count = devices.cuda_device_count()
     auto_pending = False
     if checked.auto_select_gpus and isinstance(gpus, int):
         gpu_ids, auto_pending = _auto_select(gpus, device_count)

@@ -4,12 +4,10 @@ against what the Trainer inside the job will see) and submitit's parameters."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -221,23 +219,6 @@ class Plan:
         )
 
 
-_PLAN_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _gpus_on_a_node(count: int) -> Iterator[None]:
-    """Selection as a compute node with ``count`` GPUs sees it (the login node may have none)."""
-    from cardcage import devices
-
-    with _PLAN_LOCK:
-        original = devices.cuda_device_count
-        setattr(devices, "cuda_device_count", lambda: count)  # noqa: B010 - mypy: a function
-        try:
-            yield
-        finally:
-            setattr(devices, "cuda_device_count", original)  # noqa: B010
-
-
 def _planning_env(job: SlurmJob) -> dict[str, str]:
     env = {
         key: value
@@ -412,23 +393,23 @@ def _plan(job: SlurmJob) -> Plan:
 
     flags, gpus_per_node = _trainer_flags(job)
     base = _planning_env(job)
-    with _gpus_on_a_node(gpus_per_node):
-        launching = select(env=base, **flags)
-        per_node = launching.num_processes
-        inside = {
-            **base,
-            "SLURM_JOB_ID": "1",
-            "SLURM_JOB_NAME": job.job_name,
-            "SLURM_JOB_NUM_NODES": str(nodes),
-            "SLURM_NTASKS": str(nodes * per_node),
-            "SLURM_NTASKS_PER_NODE": str(per_node),
-            "SLURM_PROCID": "0",
-            "SLURM_LOCALID": "0",
-            "SLURM_NODEID": "0",
-            "SLURM_NODELIST": "node1",
-            REQUEUE_SIGNAL: signal_name or "none",
-        }
-        in_job: Selection = select(env=inside, **flags)
+    # Selection as a compute node with gpus_per_node GPUs sees it (the login node may have none)
+    launching = select(env=base, device_count=gpus_per_node, **flags)
+    per_node = launching.num_processes
+    inside = {
+        **base,
+        "SLURM_JOB_ID": "1",
+        "SLURM_JOB_NAME": job.job_name,
+        "SLURM_JOB_NUM_NODES": str(nodes),
+        "SLURM_NTASKS": str(nodes * per_node),
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "node1",
+        REQUEUE_SIGNAL: signal_name or "none",
+    }
+    in_job: Selection = select(env=inside, device_count=gpus_per_node, **flags)
     if in_job.cluster != "slurm" or in_job.world_size != nodes * per_node:
         said = " ".join(in_job.warnings)
         raise MisconfigurationError(
