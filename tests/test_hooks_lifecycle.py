@@ -1,9 +1,11 @@
-"""The lifecycle hooks ``cardcage_setup`` and ``cardcage_train``, wrapped by an in-process
-plugin: it sees setup and training in order, sees their exceptions, and can replace what
-``fit`` returns, without subclassing a backend."""
+"""The lifecycle hooks (``cardcage_setup`` and ``cardcage_train`` in the calling process,
+``cardcage_setup_process`` and ``cardcage_teardown_process`` in each training process),
+wrapped by an in-process plugin: it sees them in order, sees their exceptions, and can
+replace what ``fit`` returns, without subclassing a backend."""
 
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
@@ -60,11 +62,26 @@ class Observer:
     def cardcage_setup(
         self, trainer: cardcage.Trainer, accelerator: cardcage.Accelerator
     ) -> Generator[None, Any, Any]:
+        self.events.append(("setup", accelerator.name))
+        return (yield)
+
+    @cardcage.hookimpl(wrapper=True)
+    def cardcage_setup_process(
+        self, trainer: cardcage.Trainer, accelerator: cardcage.Accelerator
+    ) -> Generator[None, Any, Any]:
         self.events.append(("setup:before", accelerator.name, len(trainer.optimization.optimizers)))
         if self.fail_setup:
             raise RuntimeError("refused by the plugin")
         result = yield
         self.events.append(("setup:after", result))
+        return result
+
+    @cardcage.hookimpl(wrapper=True)
+    def cardcage_teardown_process(
+        self, trainer: cardcage.Trainer, accelerator: cardcage.Accelerator
+    ) -> Generator[None, Any, Any]:
+        result = yield
+        self.events.append("teardown")
         return result
 
     @cardcage.hookimpl(wrapper=True)
@@ -110,11 +127,13 @@ def test_wrappers_see_setup_and_training_in_order(
 
     assert result is None  # what the cpu backend returns
     assert observer.events == [
+        ("setup", "cpu"),  # in the calling process, once, before train
         ("train:before", 0),
-        ("setup:before", "cpu", 0),  # before the optimizers exist
+        ("setup:before", "cpu", 0),  # the training process's setup, before the optimizers
         ("setup:after", True),
         "configure_optimizers",
         *["step"] * 2 * STEPS,
+        "teardown",
         ("train:after", 2 * STEPS, None),
     ]
     assert trainer.global_step == 2 * STEPS
@@ -138,7 +157,7 @@ def test_errors_in_training_reach_the_wrapper_and_the_caller(
     with pytest.raises(ValueError, match="step 2 failed") as raised:
         cardcage.Trainer(progress_bar=False).fit(Model(observer.events, fail_at=2), loader())
     assert observer.errors == [raised.value]
-    assert observer.events[-3:] == ["step", "step", "train:error"]
+    assert observer.events[-4:] == ["step", "step", "teardown", "train:error"]
 
 
 def test_an_error_raised_by_a_setup_wrapper_stops_the_run(
@@ -151,7 +170,7 @@ def test_an_error_raised_by_a_setup_wrapper_stops_the_run(
         cardcage.Trainer(progress_bar=False).fit(model, loader())
     assert "configure_optimizers" not in observer.events
     assert "step" not in observer.events
-    assert observer.events[-1] == "train:error"
+    assert observer.events[-2:] == ["teardown", "train:error"]  # torn down all the same
 
 
 def test_a_plain_implementation_takes_over_training(
@@ -185,6 +204,32 @@ def test_setup_wrappers_also_run_for_validate(register: Callable[[object, str], 
     metrics = trainer.validate(Model(observer.events), loader())
     assert set(metrics) == {"val_loss"}
     assert observer.events == [("setup:before", "cpu", 0), ("setup:after", True)]
+
+
+class SetupAndTrain(cardcage.Accelerator):
+    """A backend whose ``train`` never calls the core's loop."""
+
+    name = "setup_and_train"
+    calls: list[tuple[str, int]] = []
+
+    def setup(self, trainer: cardcage.Trainer) -> None:
+        self.calls.append(("setup", os.getpid()))
+
+    def train(self, trainer: cardcage.Trainer) -> str:
+        self.calls.append(("train", os.getpid()))
+        return "trained elsewhere"
+
+
+def test_fit_calls_setup_then_train_once_each_in_the_calling_process(
+    register: Callable[[object, str], None],
+) -> None:
+    module = types.ModuleType("setup_and_train_plugin")
+    module.cardcage_accelerators = cardcage.hookimpl(lambda: [SetupAndTrain])  # type: ignore[attr-defined]
+    register(module, "setup_and_train")
+    SetupAndTrain.calls.clear()
+    trainer = cardcage.Trainer(distributed_backend="setup_and_train", progress_bar=False)
+    assert trainer.fit(Model([]), loader()) == "trained elsewhere"
+    assert SetupAndTrain.calls == [("setup", os.getpid()), ("train", os.getpid())]
 
 
 def test_an_unregistered_plugin_is_no_longer_called(

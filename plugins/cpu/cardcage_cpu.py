@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import cardcage
-from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext
+from cardcage.sdk import Accelerator, Availability, Resolution, Rule, SelectionContext, hookimpl
 
 
 class CPUAccelerator(Accelerator):
@@ -39,6 +38,6 @@ class CPUAccelerator(Accelerator):
         return 1
 
 
-@cardcage.hookimpl
+@hookimpl
 def cardcage_accelerators() -> list[type[Accelerator]]:
     return [CPUAccelerator]

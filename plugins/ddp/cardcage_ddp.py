@@ -8,10 +8,16 @@ multi-node job and every job whose processes a cluster created.
 
 from __future__ import annotations
 
-import cardcage
-from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext
-from cardcage.accelerator import distributed_availability
-from cardcage.distributed import DistributedAccelerator
+from cardcage.sdk import (
+    Accelerator,
+    Availability,
+    DistributedAccelerator,
+    Resolution,
+    Rule,
+    SelectionContext,
+    distributed_availability,
+    hookimpl,
+)
 
 
 class DDPAccelerator(DistributedAccelerator):
@@ -42,10 +48,10 @@ class DDPAccelerator(DistributedAccelerator):
             )
         return resolution
 
-    # Training: DistributedAccelerator relaunches the script, or joins the processes a
-    # cluster made, then trains one rank per process.
+    # Training: DistributedAccelerator's launcher relaunches the script, or joins the
+    # processes a cluster made; its setup_process trains one rank per process.
 
 
-@cardcage.hookimpl
+@hookimpl
 def cardcage_accelerators() -> list[type[Accelerator]]:
     return [DDPAccelerator]

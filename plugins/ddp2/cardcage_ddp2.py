@@ -18,11 +18,17 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-import cardcage
-from cardcage import Accelerator, Availability, Resolution, SelectionContext
-from cardcage.accelerator import cuda_availability
-from cardcage.distributed import DistributedAccelerator
-from cardcage.wrappers import StepRunner, data_parallel_step
+from cardcage.sdk import (
+    Accelerator,
+    Availability,
+    DistributedAccelerator,
+    Resolution,
+    SelectionContext,
+    StepRunner,
+    cuda_availability,
+    data_parallel_step,
+    hookimpl,
+)
 
 
 class DDP2Accelerator(DistributedAccelerator):
@@ -95,6 +101,6 @@ class DDP2Accelerator(DistributedAccelerator):
         return list(self.parallel.parameters())
 
 
-@cardcage.hookimpl
+@hookimpl
 def cardcage_accelerators() -> list[type[Accelerator]]:
     return [DDP2Accelerator]

@@ -17,11 +17,16 @@ from typing import Any
 
 import torch
 
-import cardcage
-from cardcage import Accelerator, Availability, SelectionContext
-from cardcage.accelerator import cuda_availability
-from cardcage.devices import gpu_memory_metrics
-from cardcage.wrappers import StepRunner, data_parallel_step
+from cardcage.sdk import (
+    Accelerator,
+    Availability,
+    SelectionContext,
+    StepRunner,
+    cuda_availability,
+    data_parallel_step,
+    gpu_memory_metrics,
+    hookimpl,
+)
 
 
 class DataParallelAccelerator(Accelerator):
@@ -38,13 +43,13 @@ class DataParallelAccelerator(Accelerator):
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         return 1
 
-    def setup(self, trainer: Any) -> None:
+    def setup_process(self, trainer: Any) -> None:
         gpu_ids = self.selection.gpu_ids
         assert gpu_ids, "selection gave the dp backend no GPU"
         torch.cuda.set_device(gpu_ids[0])
         self.device = torch.device("cuda", gpu_ids[0])
         trainer.model.to(self.device)
-        super().setup(trainer)
+        super().setup_process(trainer)
         self.precision.check_device()
         # DataParallel scatters the batch from wherever it is; only a float64 run casts.
         self.moves_batches = self.precision.dtype is not None
@@ -60,6 +65,6 @@ class DataParallelAccelerator(Accelerator):
         trainer.logged_metrics.update(metrics)
 
 
-@cardcage.hookimpl
+@hookimpl
 def cardcage_accelerators() -> list[type[Accelerator]]:
     return [DataParallelAccelerator]

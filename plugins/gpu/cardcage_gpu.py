@@ -6,10 +6,16 @@ from typing import Any
 
 import torch
 
-import cardcage
-from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext
-from cardcage.accelerator import cuda_availability
-from cardcage.devices import gpu_memory_metrics
+from cardcage.sdk import (
+    Accelerator,
+    Availability,
+    Resolution,
+    Rule,
+    SelectionContext,
+    cuda_availability,
+    gpu_memory_metrics,
+    hookimpl,
+)
 
 
 class GPUAccelerator(Accelerator):
@@ -42,13 +48,13 @@ class GPUAccelerator(Accelerator):
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         return 1
 
-    def setup(self, trainer: Any) -> None:
+    def setup_process(self, trainer: Any) -> None:
         root = self.selection.root_gpu
         assert root is not None, "selection gave the gpu backend no GPU"
         torch.cuda.set_device(root)
         self.device = torch.device("cuda", root)
         trainer.model.to(self.device)
-        super().setup(trainer)  # precision for the device type, float64 cast
+        super().setup_process(trainer)  # precision for the device type, float64 cast
         self.precision.check_device()
         self.moves_batches = True
 
@@ -57,6 +63,6 @@ class GPUAccelerator(Accelerator):
         trainer.logged_metrics.update(metrics)
 
 
-@cardcage.hookimpl
+@hookimpl
 def cardcage_accelerators() -> list[type[Accelerator]]:
     return [GPUAccelerator]

@@ -41,31 +41,38 @@ import contextlib
 import functools
 import importlib.machinery
 import importlib.util
-import io
 import logging
 import os
-import pickle
 import re
-import shutil
 import signal
 import sys
-import tempfile
-import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
-from torch.utils.data import DistributedSampler
 
-import cardcage
-from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext, launch
-from cardcage.distributed import cpu_threads_per_process, distributed_loader
-from cardcage.errors import MisconfigurationError, RankFailedError
-
-if TYPE_CHECKING:
-    from cardcage.trainer import Trainer
+from cardcage.sdk import (
+    ERROR_FILE,
+    Accelerator,
+    Availability,
+    InProcessLauncher,
+    Launcher,
+    MisconfigurationError,
+    RankFailedError,
+    Resolution,
+    Rule,
+    SelectionContext,
+    Trainer,
+    WorkerLauncher,
+    cpu_threads_per_process,
+    fail,
+    first_recorded,
+    hookimpl,
+    pickle_job,
+    run_worker,
+)
 
 log = logging.getLogger("cardcage")
 T = TypeVar("T")
@@ -208,7 +215,7 @@ class HorovodAccelerator(Accelerator):
 
     # -- each rank ------------------------------------------------------------------------
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup_process(self, trainer: Trainer) -> None:
         hvd = _hvd()
         hvd.init()
         self.global_rank, self.local_rank = hvd.rank(), hvd.local_rank()
@@ -223,7 +230,7 @@ class HorovodAccelerator(Accelerator):
         if trainer.flags.sync_batchnorm:
             trainer.model = convert_sync_batchnorm(trainer.model, hvd)
         trainer.model.to(self.device)
-        super().setup(trainer)
+        super().setup_process(trainer)
         if self.device.type == "cuda":
             self.precision.check_device()
             self.moves_batches = True
@@ -265,16 +272,6 @@ class HorovodAccelerator(Accelerator):
                 track_steps(distributed)
         optimization.optimizers = list(wrapped.values())
         self.distributed_optimizers = list(wrapped.values())
-
-    def process_dataloader(self, loader: Any, *, train: bool) -> Any:
-        if not self.selection.flags.replace_sampler_ddp or self.world_size <= 1:
-            return loader
-        return distributed_loader(loader, self.world_size, self.global_rank)
-
-    def on_epoch_start(self, epoch: int, loader: Any) -> None:
-        sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(epoch)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward, then wait for the averaged gradients of every optimizer."""
@@ -341,14 +338,12 @@ class HorovodAccelerator(Accelerator):
 
     # -- processes ------------------------------------------------------------------------
 
-    def train(self, trainer: Trainer) -> Any:
-        """Train here when horovodrun started this process (or for one process); otherwise
-        start ``num_processes`` workers through Horovod's Gloo runner and take rank 0's
-        weights and results."""
-        selection = self.selection
-        if selection.cluster == "horovod" or selection.num_processes <= 1:
-            return trainer.run_fit_loop()
-        return launch_workers(trainer, selection.num_processes)
+    def make_launcher(self) -> Launcher:
+        """In this process when horovodrun started it (or for one process); otherwise
+        ``num_processes`` workers through Horovod's Gloo runner."""
+        if self.selection.cluster == "horovod" or self.selection.num_processes <= 1:
+            return InProcessLauncher(self)
+        return HorovodRunLauncher(self)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -436,40 +431,68 @@ def convert_sync_batchnorm(module: torch.nn.Module, hvd: Any) -> torch.nn.Module
 # -- launching workers without horovodrun -------------------------------------------------------
 
 
-def payload(trainer: Trainer) -> bytes:
-    """The trainer as bytes for the workers.
+class HorovodRunLauncher(WorkerLauncher):
+    """``num_processes`` Horovod workers on this machine through ``horovod.run``.
 
-    cloudpickle (a Horovod dependency) writes plain pickle data, so tensors are copied, never
-    shared between the workers. Horovod's workers do not run the caller's script, so classes
-    defined there (``__main__``: a script, a notebook) travel by value, and so do those of a
-    module the workers could not import by name (one loaded from a file path, a test module).
+    A worker that raises leaves its traceback in an error file and exits at once; Horovod's
+    runner then stops the others (SIGTERM, SIGKILL after 5 s) and this raises
+    :class:`~cardcage.sdk.RankFailedError` naming the rank and its traceback.
     """
-    import cloudpickle
 
-    by_value = _modules_by_value(trainer)
-    for module in by_value:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        data: bytes = cloudpickle.dumps(trainer)
-        return data
-    except Exception:
-        parts = {"model": trainer.model, "train_dataloader": trainer.train_dataloader}
-        parts.update({f"val_dataloaders[{i}]": v for i, v in enumerate(trainer.val_dataloaders)})
-        for label, value in parts.items():
-            try:
-                cloudpickle.dumps(value)
-            except Exception as error:
-                raise MisconfigurationError(
-                    f"distributed_backend='horovod' with num_processes > 1 sends the {label} to "
-                    f"its worker processes by pickling, but it cannot be pickled "
-                    f"({type(error).__name__}: {error}). Make it picklable, or start the job "
-                    "with `horovodrun -np N python train.py`, which runs your script in every "
-                    "process instead."
-                ) from None
-        raise
-    finally:
+    unpicklable_hint = (
+        "or start the job with `horovodrun -np N python train.py`, which runs your script in "
+        "every process instead"
+    )
+
+    def pickle(self, trainer: Trainer) -> bytes:
+        """cloudpickle (a Horovod dependency), which writes plain pickle data: tensors are
+        copied. Horovod's workers do not run the caller's script, so classes defined there
+        (``__main__``) or in a module they could not import by name travel by value."""
+        import cloudpickle
+
+        by_value = _modules_by_value(trainer)
         for module in by_value:
-            cloudpickle.unregister_pickle_by_value(module)
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            return pickle_job(
+                trainer, cloudpickle.dumps, self.describe(trainer), self.unpicklable_hint
+            )
+        finally:
+            for module in by_value:
+                cloudpickle.unregister_pickle_by_value(module)
+
+    def describe(self, trainer: Trainer) -> str:
+        return "distributed_backend='horovod' with num_processes > 1"
+
+    def start_workers(self, payload: bytes, folder: Path) -> None:
+        import horovod
+
+        count = self.accelerator.selection.num_processes
+        gloo = bool(_hvd().gloo_built())
+        # horovod.run installs SIGINT/SIGTERM handlers of its own (to stop its workers); they
+        # must not outlive the run.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            horovod.run(
+                _worker,
+                args=(payload, list(sys.path), str(folder)),
+                num_proc=count,
+                hosts=f"localhost:{count}",
+                use_gloo=gloo,
+                use_mpi=not gloo,
+                disable_cache=True,  # writes nothing under ~/.horovod
+            )
+        except Exception as error:
+            recorded = first_recorded(folder)
+            if recorded is None:
+                raise
+            code = re.search(r"Exit code: (-?\d+)", str(error))
+            raise RankFailedError(
+                recorded[0], int(code.group(1)) if code else 1, recorded[1]
+            ) from None
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
 
 def _modules_by_value(trainer: Trainer) -> list[ModuleType]:
@@ -489,83 +512,18 @@ def _modules_by_value(trainer: Trainer) -> list[ModuleType]:
     return found
 
 
-def launch_workers(trainer: Trainer, num_processes: int) -> None:
-    """Run ``num_processes`` Horovod workers on this machine and take rank 0's results.
-
-    A worker that raises leaves its traceback in a file and exits at once; Horovod's runner
-    then stops the others (SIGTERM, SIGKILL after 5 s) and this raises
-    :class:`~cardcage.errors.RankFailedError` naming the rank and its traceback.
-    """
-    import horovod
-
-    hvd = _hvd()
-    data = payload(trainer)
-    folder = Path(tempfile.mkdtemp(prefix="cardcage-horovod-"))
-    # horovod.run installs SIGINT/SIGTERM handlers of its own (to stop its workers); they
-    # must not outlive the run.
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    gloo = bool(hvd.gloo_built())
-    try:
-        results = horovod.run(
-            _worker,
-            args=(data, list(sys.path), str(folder)),
-            num_proc=num_processes,
-            hosts=f"localhost:{num_processes}",
-            use_gloo=gloo,
-            use_mpi=not gloo,
-            disable_cache=True,  # writes nothing under ~/.horovod
-        )
-    except Exception as error:
-        failure = rank_failure(folder, error)
-        if failure is None:
-            raise
-        raise failure from None
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        shutil.rmtree(folder, ignore_errors=True)
-    result = torch.load(io.BytesIO(results[0]), weights_only=True)
-    trainer.model.load_state_dict(result.pop("state_dict"))
-    trainer.apply_results(result)
-
-
-def rank_failure(folder: Path, error: BaseException) -> RankFailedError | None:
-    """The first worker failure recorded in ``folder``, or ``None`` when none left a file."""
-    found = []
-    for path in folder.glob("rank-*.txt"):
-        when, text = launch.read_error_file(path)
-        found.append((when, int(path.stem.split("-")[1]), text))
-    if not found:
-        return None
-    _, rank, text = min(found)
-    code = re.search(r"Exit code: (-?\d+)", str(error))
-    return RankFailedError(rank, int(code.group(1)) if code else 1, text)
-
-
-def _worker(data: bytes, path: list[str], folder: str) -> bytes | None:
-    """One Horovod worker: train; rank 0 returns the results (``torch.save`` bytes)."""
+def _worker(payload: bytes, path: list[str], folder: str) -> None:  # returns to horovod.run
+    """One Horovod worker: train; local rank 0 leaves the results in ``folder``."""
     sys.path.extend(entry for entry in path if entry not in sys.path)
-    rank = os.environ.get("HOROVOD_RANK", "0")
-    os.environ[launch.ERROR_FILE] = str(Path(folder) / f"rank-{rank}.txt")
+    os.environ[ERROR_FILE] = str(Path(folder) / f"rank-{os.environ.get('HOROVOD_RANK', '0')}.txt")
     try:
-        trainer = pickle.loads(data)
-        trainer.attach()
-        trainer.run_fit_loop()
-        if not trainer.accelerator.is_global_zero:
-            return None
-        buffer = io.BytesIO()
-        torch.save(trainer.export_results(), buffer)
-        return buffer.getvalue()
+        run_worker(payload, folder)
     except BaseException as error:
         # Leave at once: the other ranks are stuck in a collective with this one, and a
         # normal interpreter exit would wait for Horovod's shutdown with them.
-        launch.write_error_file(error)
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        fail(error)
 
 
-@cardcage.hookimpl
+@hookimpl
 def cardcage_accelerators() -> list[type[Accelerator]]:
     return [HorovodAccelerator]

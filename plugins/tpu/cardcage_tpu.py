@@ -32,7 +32,6 @@ import importlib.util
 import logging
 import os
 import pickle
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,10 +39,22 @@ from typing import Any, TypeVar
 
 import torch
 
-import cardcage
-from cardcage import Accelerator, Availability, Resolution, Rule, SelectionContext, launch
-from cardcage.accelerator import move_to
-from cardcage.errors import MisconfigurationError
+from cardcage.sdk import (
+    Accelerator,
+    Availability,
+    InProcessLauncher,
+    Launcher,
+    MisconfigurationError,
+    Resolution,
+    Rule,
+    SelectionContext,
+    Trainer,
+    WorkerLauncher,
+    hookimpl,
+    init_timeout,
+    move_to,
+    run_worker,
+)
 
 log = logging.getLogger("cardcage")
 T = TypeVar("T")
@@ -56,7 +67,6 @@ NO_DEVICE_HINT = (
     "on a TPU VM install torch-xla with its TPU runtime (pip install 'torch-xla[tpu]'); "
     "elsewhere set PJRT_DEVICE=CPU to train on XLA's CPU device"
 )
-RESULT_FILE = "result.pt"
 
 
 def _release(version: str) -> tuple[str, ...]:
@@ -139,7 +149,7 @@ def _thread_barrier(parties: int) -> threading.Barrier:
     with _barriers_guard:
         barrier = _barriers.get(parties)
         if barrier is None or barrier.broken:
-            barrier = threading.Barrier(parties, timeout=launch.init_timeout())
+            barrier = threading.Barrier(parties, timeout=init_timeout())
             _barriers[parties] = barrier
         return barrier
 
@@ -271,7 +281,7 @@ class TPUAccelerator(Accelerator):
         cores = self.selection.tpu_cores
         return isinstance(cores, int) and cores > 1
 
-    def setup(self, trainer: Any) -> None:
+    def setup_process(self, trainer: Any) -> None:
         import torch_xla
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
@@ -303,14 +313,11 @@ class TPUAccelerator(Accelerator):
             self.global_rank = self.local_rank = 0
             self.world_size = 1
         trainer.model.to(self.device)
-        super().setup(trainer)
+        super().setup_process(trainer)
         self.moves_batches = True
 
     def process_dataloader(self, loader: Any, *, train: bool) -> Any:
-        if self.world_size > 1 and self.selection.flags.replace_sampler_ddp:
-            from cardcage.distributed import distributed_loader
-
-            loader = distributed_loader(loader, self.world_size, self.global_rank)
+        loader = super().process_dataloader(loader, train=train)  # the replica's shard
         return DeviceLoader(loader, self.device, self.step_barrier)
 
     def batch_to_device(self, batch: Any) -> Any:
@@ -339,13 +346,6 @@ class TPUAccelerator(Accelerator):
         import torch_xla.core.xla_model as xm
 
         xm.optimizer_step(optimizer)  # averages the gradients over the replicas, then steps
-
-    def on_epoch_start(self, epoch: int, loader: Any) -> None:
-        from torch.utils.data import DistributedSampler
-
-        sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(epoch)
 
     def on_epoch_end(self, trainer: Any) -> None:
         self.step_barrier()  # an epoch cut short by max_steps leaves its last step pending
@@ -419,6 +419,11 @@ class TPUAccelerator(Accelerator):
         self.step_barrier()
         return total.reshape(tensor.shape)
 
+    def gather_state(self, trainer: Any) -> dict[str, Any] | None:
+        # Every replica holds the same weights: only the first of each host moves them to
+        # the CPU (the writer of checkpoints and of the results handed back).
+        return super().gather_state(trainer) if self.local_rank == 0 else None
+
     def portable(self, obj: T) -> T:
         return _to_cpu(obj) if self.device.type == "xla" else obj
 
@@ -430,90 +435,67 @@ class TPUAccelerator(Accelerator):
 
     # -- processes ------------------------------------------------------------------------
 
-    def train(self, trainer: Any) -> Any:
-        """One core: train in this process. Every core: ``xmp.spawn`` the replicas, then
-        take rank 0's weights, metrics and counters back into ``trainer``."""
-        if not self.multi_core:
-            if self.core is None:
-                return _in_single_process(trainer)
-            return trainer.run_fit_loop()
+    def make_launcher(self) -> Launcher:
+        """One core: this process (``[k]``), or ``xmp.spawn(fn, nprocs=1)`` here (``1``).
+        Every core: the replicas from ``xmp.spawn``; rank 0's state comes back here."""
+        if self.multi_core:
+            return XmpLauncher(self)
+        if self.core is None:
+            return SingleCoreLauncher(self)
+        return InProcessLauncher(self)
+
+
+class SingleCoreLauncher(Launcher):
+    """``tpu_cores=1``: ``xmp.spawn(fn, nprocs=1)``, which runs ``fn`` in this process after
+    setting it up for one device (on a TPU, the runtime then takes a single chip)."""
+
+    def launch(self, trainer: Trainer) -> Any:
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        _choose_device_type()
+        xmp.spawn(_fit_here, args=(trainer,), nprocs=1)
+        return None
+
+
+def _fit_here(index: int, trainer: Trainer) -> None:
+    trainer.run_fit_loop()
+
+
+class XmpLauncher(WorkerLauncher):
+    """``tpu_cores=8``: a replica per XLA device of this host, from ``xmp.spawn``."""
+
+    unpicklable_hint = "or train on one core (tpu_cores=1)"
+
+    def describe(self, trainer: Trainer) -> str:
+        return f"tpu_cores={trainer.flags.tpu_cores!r}"
+
+    def start_workers(self, payload: bytes, folder: Path) -> None:
         import torch_xla
         import torch_xla.distributed.xla_multiprocessing as xmp
 
         if torch_xla._XLAC._xla_runtime_is_initialized():
             raise MisconfigurationError(
-                f"tpu_cores={self.selection.flags.tpu_cores!r} starts its replicas with "
-                "xmp.spawn, which needs a process that has not used an XLA device yet, and "
-                "this one has. Train on every core in a fresh process (before any "
+                f"tpu_cores={self.accelerator.selection.flags.tpu_cores!r} starts its replicas "
+                "with xmp.spawn, which needs a process that has not used an XLA device yet, "
+                "and this one has. Train on every core in a fresh process (before any "
                 "tpu_cores=1 or [k] run), or on one core."
             )
         device_type = _choose_device_type()
-        payload = pickled(trainer)
-        folder = Path(tempfile.mkdtemp(prefix="cardcage-tpu-"))
         # XLA:CPU's asynchronous client dead-locks all-reduces between replica threads.
         settings = {"PJRT_CPU_ASYNC_CLIENT": "0"} if device_type == "CPU" else {}
-        try:
-            with _environment(settings):
-                xmp.spawn(_replica, args=(payload, str(folder)))
-            result = torch.load(folder / RESULT_FILE, weights_only=True)
-        finally:
-            for leftover in folder.iterdir():
-                leftover.unlink()
-            folder.rmdir()
-        trainer.model.load_state_dict(result.pop("state_dict"))
-        trainer.apply_results(result)
-        return None
-
-
-def _in_single_process(trainer: Any) -> Any:
-    """``tpu_cores=1``: ``xmp.spawn(fn, nprocs=1)``, which runs ``fn`` in this process after
-    setting it up for one device (on a TPU, the runtime then takes a single chip)."""
-    import torch_xla.distributed.xla_multiprocessing as xmp
-
-    _choose_device_type()
-    xmp.spawn(_fit_here, args=(trainer,), nprocs=1)
-    return None
-
-
-def _fit_here(index: int, trainer: Any) -> None:
-    trainer.run_fit_loop()
-
-
-def pickled(trainer: Any) -> bytes:
-    """The trainer (model and loaders included) as plain pickle bytes for the replicas.
-
-    Plain pickle copies tensors; torch.multiprocessing's pickler would share their memory
-    between the processes instead. Anything that cannot be pickled is named here, before
-    anything starts.
-    """
-    try:
-        return pickle.dumps(trainer)
-    except Exception:
-        parts = {"model": trainer.model, "train_dataloader": trainer.train_dataloader}
-        parts.update({f"val_dataloaders[{i}]": v for i, v in enumerate(trainer.val_dataloaders)})
-        for label, value in parts.items():
-            try:
-                pickle.dumps(value)
-            except Exception as error:
-                raise MisconfigurationError(
-                    f"tpu_cores={trainer.flags.tpu_cores!r} sends the {label} to every replica "
-                    f"by pickling, but it cannot be pickled ({type(error).__name__}: {error}). "
-                    "Make it picklable (no lambdas or local classes), or train on one core "
-                    "(tpu_cores=1)."
-                ) from None
-        raise
+        with _environment(settings):
+            xmp.spawn(_replica, args=(payload, str(folder)))
 
 
 def _replica(index: int, payload: bytes, folder: str) -> None:
-    """One replica of a multi-core job: train; rank 0 leaves the results in ``folder``."""
-    trainer = pickle.loads(payload)
-    trainer.attach()
-    trainer.accelerator.replicated = True
-    trainer.run_fit_loop()
-    if trainer.accelerator.global_rank == 0:
-        torch.save(trainer.export_results(), Path(folder) / RESULT_FILE)
+    """One replica of a multi-core job: train; the first of the host leaves the results."""
+    run_worker(payload, folder, before_fit=_mark_replicated)
 
 
-@cardcage.hookimpl
+def _mark_replicated(trainer: Trainer) -> None:
+    trainer.accelerator.replicated = True  # type: ignore[attr-defined]
+
+
+@hookimpl
 def cardcage_accelerators() -> list[type[Accelerator]]:
     return [TPUAccelerator]

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import default_collate
 
 import cardcage
-from cardcage import MisconfigurationError, checkpoint, launch
+from cardcage import MisconfigurationError, checkpoint, rendezvous
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_ddp_spawn_refuses_a_lambda_collate_fn_naming_train_dataloader(tmp_path:
     with pytest.raises(MisconfigurationError, match=r"train_dataloader.*cannot be pickled"):
         trainer.fit(model, train_dataloader=loader)
     assert multiprocessing.active_children() == []
-    assert launch.hosted_store() is None  # not even the rendezvous store was started
+    assert rendezvous.hosted_store() is None  # not even the rendezvous store was started
     started = [
         pid
         for pid in set(os.listdir("/proc")) - before

@@ -1,27 +1,42 @@
-"""The Accelerator protocol every backend plugin implements, and the small types around it.
+"""The Accelerator every backend plugin subclasses, and the small types around it.
 
-A backend is a subclass of :class:`Accelerator` with a ``name``, optional ``aliases``, the
-``rules`` under which it claims a job nobody named a backend for, and an honest
-``availability``. The class methods are consulted by the selection engine before anything is
-started; an instance is created only for the backend that runs.
+An :class:`Accelerator` puts a backend's three roles together:
+
+- **selection** (class level, pure): ``name``, ``aliases``, the ``rules`` under which it
+  claims a job nobody named a backend for, an honest ``availability``, ``resolve`` and
+  ``processes_per_node``; consulted by the selection engine before anything starts;
+- **each training process** (the instance's :class:`~cardcage.strategy.Strategy` methods):
+  ``setup_process``, placement, wrapping, the collectives, ``gather_state``/``restore_state``;
+- **process creation** (``launcher``, a :class:`~cardcage.launchers.Launcher`): how the
+  training processes come to exist.
+
+An instance is created only for the backend that runs. ``fit`` calls its ``setup(trainer)``
+once and then its ``train(trainer)`` once, in the process that called ``fit``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cardcage.errors import MisconfigurationError
-from cardcage.precision import Precision
+from cardcage.launchers import InProcessLauncher, Launcher
+from cardcage.strategy import Strategy, move_to
 
 if TYPE_CHECKING:
     from cardcage.selection import Selection, SelectionContext
     from cardcage.trainer import Trainer
 
-T = TypeVar("T")
+__all__ = [
+    "Accelerator",
+    "Availability",
+    "Resolution",
+    "Rule",
+    "cuda_availability",
+    "distributed_availability",
+    "move_to",
+]
 
 
 @dataclass(frozen=True)
@@ -78,10 +93,10 @@ class Resolution:
     drop_gpus: bool = False
 
 
-class Accelerator:
+class Accelerator(Strategy):
     """Base class of every backend. Subclass it, set the class attributes, register it.
 
-    Class attributes:
+    Selection (class attributes and class methods, consulted before anything starts):
         name: canonical backend name (``distributed_backend=name``).
         aliases: other names that select this backend.
         rules: when this backend claims a job that names no backend.
@@ -96,12 +111,11 @@ class Accelerator:
             (torch.distributed's env:// rendezvous); in processes a cluster started that
             supplies neither (mpirun without them, say), selecting it is an error.
 
-    The class methods decide selection. An instance is made for the backend that runs; the
-    core's training loop calls its instance methods. The defaults train in this process on
-    the CPU, so a backend overrides only what differs: device placement (``setup``,
-    ``batch_to_device``), model wrapping (``step_function``), data (``process_dataloader``),
-    process creation (``train``) and the collectives (``barrier``, ``broadcast``,
-    ``reduce``).
+    Process creation: ``launcher``, the :class:`~cardcage.launchers.Launcher` class that
+    ``train`` uses (override :meth:`make_launcher` to choose one per job).
+
+    Each training process: the :class:`~cardcage.strategy.Strategy` methods, whose defaults
+    train in one process on the CPU.
     """
 
     name: ClassVar[str]
@@ -112,20 +126,9 @@ class Accelerator:
     cpu_fallback: ClassVar[str] = "cpu"
     uses_tpu_cores: ClassVar[bool] = False
     needs_rendezvous: ClassVar[bool] = False
+    launcher: ClassVar[type[Launcher]] = InProcessLauncher
 
-    #: Where the model trains; ``setup`` sets it.
-    device: torch.device
-    #: Whether batches need ``batch_to_device`` (False lets the loop skip the call).
-    moves_batches: bool = False
-
-    def __init__(self, selection: Selection):
-        self.selection = selection
-        self.device = torch.device("cpu")
-        self.precision = Precision(selection.flags.precision, "cpu")
-        # This process's place; launchers set them in the processes they start.
-        self.global_rank = selection.global_rank
-        self.local_rank = selection.local_rank
-        self.world_size = selection.world_size
+    # -- selection ------------------------------------------------------------------------------
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:
@@ -182,106 +185,29 @@ class Accelerator:
         """The canonical name followed by the aliases."""
         return (cls.name, *cls.aliases)
 
-    # -- the instance API, called by the core while training -------------------------------
-
-    @property
-    def is_global_zero(self) -> bool:
-        """Whether this process is rank 0 of the whole job."""
-        return self.global_rank == 0
+    # -- the lifecycle, in the process that called fit ------------------------------------------
 
     def setup(self, trainer: Trainer) -> None:
-        """Prepare this process before training: place the model, set the precision.
+        """Prepare the run in the process that called ``fit``, before any process starts.
 
-        Called through the ``cardcage_setup`` hook in the process that trains.
+        Called once per ``fit``, through the ``cardcage_setup`` hook, before ``train``. The
+        default does nothing; a backend checks here what it can check before starting
+        processes. Work inside each training process belongs in ``setup_process``.
         """
-        self.precision = Precision(trainer.flags.precision, self.device.type)
-        if self.precision.dtype is not None:
-            trainer.model.to(self.precision.dtype)
-            self.moves_batches = True
 
     def train(self, trainer: Trainer) -> Any:
-        """Run training; the default runs the core's loop in this process.
+        """Run the training of ``fit``: start the training processes and wait for them.
 
-        Backends that start processes override this. Called through the ``cardcage_train``
-        hook; what it returns is what ``fit`` returns.
+        Called once per ``fit``, through the ``cardcage_train`` hook, in the process that
+        called ``fit``; what it returns is what ``fit`` returns. The default hands the job
+        to :meth:`make_launcher`'s launcher, which runs ``trainer.run_fit_loop()`` in each
+        training process.
         """
-        return trainer.run_fit_loop()
+        return self.make_launcher().launch(trainer)
 
-    def process_dataloader(self, loader: Any, *, train: bool) -> Any:
-        """Adapt a dataloader to this backend (a distributed sampler, a device loader)."""
-        return loader
-
-    def batch_to_device(self, batch: Any) -> Any:
-        """Move (and, at precision 64, cast) a batch; called only when ``moves_batches``."""
-        return move_to(batch, self.device, self.precision.dtype)
-
-    def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
-        """The callable that runs ``model.<name>(batch, batch_idx)`` on this backend.
-
-        The loop calls what this returns once per step; a wrapping backend (DataParallel)
-        returns a function that runs the step inside its replicas.
-        """
-        function: Callable[..., Any] = getattr(model, name)
-        return function
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Compute gradients (scaled at precision 16); ddp2 also averages them across nodes."""
-        self.precision.backward(loss)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step one optimizer (through the grad scaler at precision 16)."""
-        self.precision.step(optimizer)
-
-    def setup_optimizers(self, trainer: Trainer) -> None:
-        """Adapt ``trainer.optimization`` after ``configure_optimizers`` (e.g. wrap them)."""
-
-    def on_epoch_start(self, epoch: int, loader: Any) -> None:
-        """Called before each training epoch (distributed samplers reshuffle here)."""
-
-    def on_epoch_end(self, trainer: Trainer) -> None:
-        """Called after each training epoch, before validation (GPU backends log memory)."""
-
-    def barrier(self, name: str | None = None) -> None:
-        """Wait until every process reaches this point; nothing to wait for in one process."""
-
-    def broadcast(self, obj: T, src: int = 0) -> T:
-        """``obj`` as held by rank ``src``; the identity in one process."""
-        return obj
-
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """``tensor`` reduced over every process (``"mean"`` or ``"sum"``)."""
-        return tensor
-
-    def unwrapped_model(self, trainer: Trainer) -> torch.nn.Module:
-        """The user's module, without any wrapper this backend added."""
-        return trainer.model
-
-    def portable(self, obj: T) -> T:
-        """``obj`` (a checkpoint, a worker's results) as ``torch.save`` should write it.
-
-        The default returns it unchanged; a backend whose tensors cannot be saved as they are
-        (XLA's) moves them to the CPU here.
-        """
-        return obj
-
-    def teardown(self, trainer: Trainer) -> None:
-        """Release what ``setup`` took (process groups, devices)."""
-
-
-def move_to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    """``batch`` with every tensor moved to ``device`` (floating ones cast to ``dtype``)."""
-    if isinstance(batch, torch.Tensor):
-        if dtype is not None and batch.is_floating_point():
-            return batch.to(device=device, dtype=dtype, non_blocking=True)
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        moved = [move_to(item, device, dtype) for item in batch]
-        if hasattr(batch, "_fields"):  # a namedtuple
-            return type(batch)(*moved)
-        return type(batch)(moved)
-    if isinstance(batch, dict):
-        return type(batch)({k: move_to(v, device, dtype) for k, v in batch.items()})
-    return batch
+    def make_launcher(self) -> Launcher:
+        """The launcher for this job: ``launcher(self)`` unless a subclass chooses."""
+        return self.launcher(self)
 
 
 def cuda_availability(ctx: SelectionContext) -> Availability:

@@ -150,12 +150,17 @@ def add_new_plugin_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ORDER,
         help=f"the order of the backend's rule (default: {DEFAULT_ORDER})",
     )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="a backend of one torch.distributed rank per process (default: one process)",
+    )
 
 
 def cmd_new_plugin(args: argparse.Namespace) -> int:
     from cardcage.scaffold import new_plugin
 
-    names, folder, files = new_plugin(args.name, args.directory, args.order)
+    names, folder, files = new_plugin(args.name, args.directory, args.order, args.distributed)
     print(f"created {names.distribution} in {folder}: {', '.join(files)}")
     print("next:")
     print(f"  pip install -e {folder}")

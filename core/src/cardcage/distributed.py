@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from cardcage import launch
+from cardcage import rendezvous
 from cardcage.accelerator import Accelerator
+from cardcage.launchers import ScriptLauncher
+from cardcage.samplers import distributed_loader
 from cardcage.wrappers import StepRunner
 
 if TYPE_CHECKING:
@@ -28,54 +29,10 @@ if TYPE_CHECKING:
 
     from cardcage.trainer import Trainer
 
+__all__ = ["DistributedAccelerator", "cpu_threads_per_process", "distributed_loader"]
+
 log = logging.getLogger("cardcage")
 T = TypeVar("T")
-
-# DataLoader settings carried over when the sampler is replaced.
-_LOADER_SETTINGS = (
-    "batch_size",
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "drop_last",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "generator",
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory_device",
-)
-
-
-def distributed_loader(loader: Any, num_replicas: int, rank: int) -> Any:
-    """``loader`` with a ``DistributedSampler`` in place of its default sampler.
-
-    Shuffles only if the user shuffled; keeps batch size, workers, collate function,
-    ``drop_last`` and the rest. A loader with the user's own sampler or batch sampler, or
-    one that is not a ``DataLoader``, is returned unchanged.
-    """
-    if not isinstance(loader, DataLoader) or isinstance(loader.sampler, DistributedSampler):
-        return loader
-    if type(loader.sampler) not in (RandomSampler, SequentialSampler):
-        return loader
-    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
-        return loader
-    if loader.batch_size is None:
-        return loader
-    shuffle = isinstance(loader.sampler, RandomSampler)
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        loader.dataset,
-        num_replicas=num_replicas,
-        rank=rank,
-        shuffle=shuffle,
-        drop_last=loader.drop_last,
-    )
-    settings = {name: getattr(loader, name) for name in _LOADER_SETTINGS if hasattr(loader, name)}
-    if not settings.get("num_workers"):
-        settings.pop("prefetch_factor", None)
-        settings["persistent_workers"] = False
-    return type(loader)(loader.dataset, sampler=sampler, **settings)
 
 
 def cpu_threads_per_process(local_world_size: int) -> int | None:
@@ -91,6 +48,8 @@ class DistributedAccelerator(Accelerator):
     #: ``None`` picks NCCL for CUDA devices and gloo otherwise.
     process_group_backend: ClassVar[str | None] = None
     needs_rendezvous: ClassVar[bool] = True
+    #: Script relaunch, or the processes a cluster made; ddp_spawn uses workers instead.
+    launcher = ScriptLauncher
 
     def __init__(self, selection: Any):
         super().__init__(selection)
@@ -121,16 +80,16 @@ class DistributedAccelerator(Accelerator):
         if dist.is_initialized():
             return
         backend = self.process_group_backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        timeout = timedelta(seconds=launch.init_timeout())
+        timeout = timedelta(seconds=rendezvous.init_timeout())
         address = os.environ.get("MASTER_ADDR") or self.selection.master_address or "127.0.0.1"
         port = os.environ.get("MASTER_PORT") or str(self.selection.master_port or "")
-        store = launch.hosted_store()
-        if store is None and os.environ.get(launch.HOSTED_STORE) == "1":
+        store = rendezvous.hosted_store()
+        if store is None and os.environ.get(rendezvous.HOSTED_STORE) == "1":
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
             store = TCPStore(address, int(port), is_master=False, timeout=timeout)
         if store is not None:
-            store.set(launch.arrival_key(self.global_rank), str(os.getpid()))
+            store.set(rendezvous.arrival_key(self.global_rank), str(os.getpid()))
             dist.init_process_group(
                 backend,
                 store=store,
@@ -157,7 +116,9 @@ class DistributedAccelerator(Accelerator):
             backend,
         )
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup_process(self, trainer: Trainer) -> None:
+        """Ranks from the launcher, the device, threads, the process group, then the model:
+        sync batch-norm, placement, precision, and ``self.parallel = self.wrap(model)``."""
         self.read_rank_environment()
         self.device = self.device_for_rank()
         if self.device.type == "cuda":
@@ -181,7 +142,7 @@ class DistributedAccelerator(Accelerator):
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
             trainer.model = model
         model.to(self.device)
-        super().setup(trainer)
+        super().setup_process(trainer)
         if self.device.type == "cuda":
             self.precision.check_device()
             self.moves_batches = True
@@ -208,16 +169,6 @@ class DistributedAccelerator(Accelerator):
 
         return step
 
-    def process_dataloader(self, loader: Any, *, train: bool) -> Any:
-        if not self.selection.flags.replace_sampler_ddp:
-            return loader
-        return distributed_loader(loader, self.world_size, self.global_rank)
-
-    def on_epoch_start(self, epoch: int, loader: Any) -> None:
-        sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(epoch)
-
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -235,29 +186,3 @@ class DistributedAccelerator(Accelerator):
         tensor = tensor.clone()
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor / self.world_size if op == "mean" else tensor
-
-    # -- processes ------------------------------------------------------------------------
-
-    def train(self, trainer: Trainer) -> Any:
-        """Script relaunch: this process trains as local rank 0 and re-runs the script for
-        the other local ranks, unless a cluster (or an earlier launch) made the processes.
-        """
-        selection = self.selection
-        supervisor = launch.current_supervisor()
-        if supervisor is None and not selection.processes_created_outside:
-            supervisor = launch.relaunch_script(
-                node_rank=selection.node_rank,
-                processes_per_node=selection.num_processes,
-                num_nodes=selection.num_nodes,
-                master_address=selection.master_address or launch.DEFAULT_ADDRESS,
-                master_port=selection.master_port,
-                gpu_ids=selection.gpu_ids,
-            )
-        if supervisor is None:
-            try:
-                return trainer.run_fit_loop()
-            except BaseException as error:
-                # A relaunched child: its traceback goes to the launcher's RankFailedError.
-                launch.write_error_file(error)
-                raise
-        return supervisor.run(trainer.run_fit_loop)

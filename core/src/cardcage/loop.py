@@ -23,7 +23,7 @@ from cardcage.checkpoint import rng_state, set_rng_state
 from cardcage.contract import extract_loss, mean_metrics, metrics_of
 
 if TYPE_CHECKING:
-    from cardcage.accelerator import Accelerator
+    from cardcage.strategy import Strategy
     from cardcage.trainer import Trainer
 
 
@@ -48,7 +48,7 @@ def _length(loader: Any) -> int | None:
         return None
 
 
-def fit_loop(trainer: Trainer, accelerator: Accelerator) -> None:
+def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
     """Train ``trainer.model`` until ``max_epochs`` or ``max_steps``."""
     model = trainer.model
     optimization = trainer.optimization
@@ -144,7 +144,7 @@ def _per_optimizer_step(
     batch: Any,
     batch_idx: int,
     optimizers: list[torch.optim.Optimizer],
-    accelerator: Accelerator,
+    accelerator: Strategy,
     after_backward: Any = None,
 ) -> torch.Tensor:
     """Lightning 1.0's multi-optimizer contract: one step per optimizer, ``optimizer_idx``."""
@@ -168,7 +168,7 @@ def _per_optimizer_step(
 
 def evaluate(
     trainer: Trainer,
-    accelerator: Accelerator,
+    accelerator: Strategy,
     loaders: Iterable[Any],
     step_name: str,
     prefix: str,
@@ -206,9 +206,7 @@ def evaluate(
     return reduced
 
 
-def run_validation(
-    trainer: Trainer, accelerator: Accelerator, loaders: list[Any]
-) -> dict[str, float]:
+def run_validation(trainer: Trainer, accelerator: Strategy, loaders: list[Any]) -> dict[str, float]:
     if not callable(getattr(trainer.model, "validation_step", None)):
         return {}
     return evaluate(trainer, accelerator, loaders, "validation_step", "val")

@@ -20,9 +20,11 @@ every training process installs a handler for that signal when ``fit`` starts. O
 3. The loop compares ``trainer.global_step == trainer.stop_at_step`` after each step: one
    attribute read, the only cost while training. A rank that reaches ``S`` waits (on the
    store) for rank 0's decision about it: carry on to a later step, or commit.
-4. Commit: rank 0 writes the checkpoint atomically (model, optimizers, epoch, position in the
-   epoch, random state), then requeues the job (``scontrol requeue $SLURM_JOB_ID``). Every
-   rank then leaves ``fit`` with :class:`Requeued`, a ``SystemExit`` with status 75.
+4. Commit: every rank gathers the checkpoint state (the backend's ``gather_state``, where a
+   sharded backend may run collectives); rank 0 writes it atomically (model, optimizers,
+   epoch, position in the epoch, random state), then requeues the job (``scontrol requeue
+   $SLURM_JOB_ID``). Every rank then leaves ``fit`` with :class:`Requeued`, a
+   ``SystemExit`` with status 75.
 5. The requeued job runs the script again. With ``SLURM_RESTART_COUNT > 0`` and the
    checkpoint present, ``fit`` resumes from it, whatever ``resume_from_checkpoint`` says.
 
@@ -412,8 +414,10 @@ class RequeueHandler:
     def _commit(self, trainer: Trainer) -> None:
         trainer.in_epoch = False  # the step is over: resume draws the next batch afresh
         job = self.environment.job_id()
+        state = trainer.checkpoint_state()  # every rank: a sharded backend gathers here
         if self.rank == 0:
-            checkpoint.save_atomic(trainer.checkpoint_state(), self.path)
+            assert state is not None, "gather_state returned None on rank 0"
+            checkpoint.save_atomic(state, self.path)
             say(
                 f"checkpoint at global step {trainer.global_step} (epoch "
                 f"{trainer.current_epoch}, batch {trainer.batch_idx}) written to {self.path}"

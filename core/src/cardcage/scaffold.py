@@ -1,10 +1,12 @@
 """``cardcage new-plugin NAME``: write a new backend plugin distribution to start from.
 
 The distribution ``cardcage-NAME`` holds one module ``cardcage_NAME.py`` (an
-:class:`~cardcage.Accelerator` subclass with a rule, an availability, ``setup`` and ``train``
-that really train, on the CPU, with the core's loop), its ``pyproject.toml`` (hatchling, the
-entry point ``NAME = "cardcage_NAME"`` in the group ``cardcage``), a README, tests that pass
-as written, and a ``noxfile.py`` whose session runs them with the core and the plugin alone.
+:class:`~cardcage.Accelerator` subclass with a rule, an availability and a
+``setup_process`` that really train, on the CPU, with the core's loop; with
+``--distributed``, a :class:`~cardcage.sdk.DistributedAccelerator` that trains one rank per
+process), its ``pyproject.toml`` (hatchling, the entry point ``NAME = "cardcage_NAME"`` in
+the group ``cardcage``), a README, tests that pass as written (the conformance kit
+included), and a ``noxfile.py`` whose session runs them with the core and the plugin alone.
 The templates are files under ``cardcage/templates/plugin/``, filled in with
 :class:`string.Template` (``$name``, ``$module``, ...).
 """
@@ -41,6 +43,18 @@ FILES = {
     "README.md.tmpl": "README.md",
     "noxfile.py.tmpl": "noxfile.py",
     "test_plugin.py.tmpl": "tests/test_{name}.py",
+    "test_conformance.py.tmpl": "tests/test_conformance.py",
+}
+#: What ``--distributed`` writes instead of the single-process module and tests.
+DISTRIBUTED = {
+    "module.py.tmpl": "module_distributed.py.tmpl",
+    "test_plugin.py.tmpl": "test_plugin_distributed.py.tmpl",
+}
+#: The conformance kit's launches of each kind of plugin (``$launches`` in the template).
+LAUNCHES = {
+    False: '"in_process": Launch({"distributed_backend": NAME}),',
+    True: '"two_processes": Launch({"distributed_backend": NAME, "num_processes": 2}, '
+    "world_size=2),",
 }
 
 
@@ -55,6 +69,7 @@ class PluginNames:
     switch: str  # the environment variable of its rule: "MY_NPU"
     order: int
     core_requirement: str  # "cardcage-core>=0.1,<0.2"
+    distributed: bool = False  # one process (the cpu-like template) or one per rank
 
 
 def _core_requirement() -> str:
@@ -71,7 +86,7 @@ def _installed_plugin(name: str) -> str | None:
     return None
 
 
-def plugin_names(name: str, order: int = DEFAULT_ORDER) -> PluginNames:
+def plugin_names(name: str, order: int = DEFAULT_ORDER, distributed: bool = False) -> PluginNames:
     """Check ``name`` and ``order`` and derive the plugin's names.
 
     Raises :class:`~cardcage.MisconfigurationError` for a name that is not a lower-case
@@ -118,6 +133,7 @@ def plugin_names(name: str, order: int = DEFAULT_ORDER) -> PluginNames:
         switch=name.upper(),
         order=order,
         core_requirement=_core_requirement(),
+        distributed=distributed,
     )
 
 
@@ -125,9 +141,11 @@ def render(names: PluginNames) -> dict[str, str]:
     """The new distribution's files: relative path → text."""
     folder = resources.files("cardcage").joinpath("templates", "plugin")
     values = {key: str(value) for key, value in asdict(names).items()}
+    values["launches"] = LAUNCHES[names.distributed]
+    chosen = DISTRIBUTED if names.distributed else {}
     return {
         target.format(module=names.module, name=names.name): Template(
-            folder.joinpath(source).read_text(encoding="utf-8")
+            folder.joinpath(chosen.get(source, source)).read_text(encoding="utf-8")
         ).substitute(values)
         for source, target in FILES.items()
     }
@@ -137,6 +155,7 @@ def new_plugin(
     name: str,
     directory: str | os.PathLike[str] | None = None,
     order: int = DEFAULT_ORDER,
+    distributed: bool = False,
 ) -> tuple[PluginNames, Path, list[str]]:
     """Write the distribution ``cardcage-NAME`` into ``directory``.
 
@@ -145,7 +164,7 @@ def new_plugin(
     paths). Raises :class:`~cardcage.MisconfigurationError` for a bad name, order or
     directory, before writing anything.
     """
-    names = plugin_names(name, order)
+    names = plugin_names(name, order, distributed)
     target = Path(directory) if directory is not None else Path(names.distribution)
     where = (
         f"--directory={str(target)!r}"

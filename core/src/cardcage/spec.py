@@ -65,14 +65,15 @@ def cardcage_env_report() -> dict[str, str]:
 
 @_spec(firstresult=True)
 def cardcage_setup(trainer: Trainer, accelerator: Accelerator) -> bool | None:
-    """Set up a training process: the backend places the model and sets the precision.
+    """Prepare a run in the process that called ``fit``, before any training process starts.
 
-    Called once in every process that trains, before the optimizers are created. The core's
-    own implementation runs last and calls ``accelerator.setup(trainer)``; wrap it with
-    ``@hookimpl(wrapper=True)`` to observe or extend setup without subclassing a backend.
+    Called once per ``fit``, before :func:`cardcage_train`, in the calling process, for every
+    backend. The core's own implementation runs last and calls
+    ``accelerator.setup(trainer)``; wrap it with ``@hookimpl(wrapper=True)`` to observe or
+    extend it without subclassing a backend.
 
     :param trainer: the :class:`~cardcage.Trainer` being fitted.
-    :param accelerator: the backend instance that trains.
+    :param accelerator: the backend instance selected for the run.
     :return: ``True`` once set up (first result wins).
     """
     raise AssertionError("hookspec")  # pragma: no cover
@@ -82,12 +83,45 @@ def cardcage_setup(trainer: Trainer, accelerator: Accelerator) -> bool | None:
 def cardcage_train(trainer: Trainer, accelerator: Accelerator) -> object:
     """Run the training of ``trainer.fit`` in the process that called it.
 
-    The core's own implementation runs last and calls ``accelerator.train(trainer)``, which
-    trains here or starts the processes that do. Wrap it with ``@hookimpl(wrapper=True)``
-    to time, log or guard a whole run; what it returns is what ``fit`` returns.
+    Called once per ``fit``, after :func:`cardcage_setup`. The core's own implementation
+    runs last and calls ``accelerator.train(trainer)``, which trains here or starts the
+    processes that do. Wrap it with ``@hookimpl(wrapper=True)`` to time, log or guard a
+    whole run; what it returns is what ``fit`` returns.
 
     :param trainer: the :class:`~cardcage.Trainer` being fitted.
     :param accelerator: the backend instance selected for the run.
     :return: the backend's result (``None`` for the built-in backends).
+    """
+    raise AssertionError("hookspec")  # pragma: no cover
+
+
+@_spec(firstresult=True)
+def cardcage_setup_process(trainer: Trainer, accelerator: Accelerator) -> bool | None:
+    """Set up one training process: join the job, place and wrap the model, set precision.
+
+    Called once in every process that trains (the caller itself for one-process backends,
+    each relaunched, spawned or cluster-started process otherwise), before
+    ``configure_optimizers`` and before a checkpoint is restored. The core's own
+    implementation runs last and calls ``accelerator.setup_process(trainer)``.
+
+    :param trainer: the :class:`~cardcage.Trainer` in this process.
+    :param accelerator: the backend instance in this process (its ranks are this
+        process's once the core's implementation has run).
+    :return: ``True`` once set up (first result wins).
+    """
+    raise AssertionError("hookspec")  # pragma: no cover
+
+
+@_spec(firstresult=True)
+def cardcage_teardown_process(trainer: Trainer, accelerator: Accelerator) -> bool | None:
+    """Tear down one training process when its training ends, also after a failure.
+
+    Called once in every process that ran :func:`cardcage_setup_process`, whether training
+    finished, failed or was interrupted. The core's own implementation runs last and calls
+    ``accelerator.teardown(trainer)``.
+
+    :param trainer: the :class:`~cardcage.Trainer` in this process.
+    :param accelerator: the backend instance in this process.
+    :return: ``True`` once torn down (first result wins).
     """
     raise AssertionError("hookspec")  # pragma: no cover

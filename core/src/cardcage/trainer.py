@@ -17,6 +17,7 @@ from cardcage.contract import Optimization, check_model, configure_optimizers
 from cardcage.errors import MisconfigurationError
 from cardcage.progress import ProgressBar
 from cardcage.selection import Selection, select
+from cardcage.strategy import Strategy
 
 
 def _loaders(value: Any) -> list[Any]:
@@ -103,6 +104,9 @@ class Trainer:
         self.stop_at_step = requeue.NEVER
         self._requeue: requeue.RequeueHandler | None = None
         self._prepared = False
+        #: The last state a worker handed back (a checkpoint): what save_checkpoint writes in
+        #: a caller that did not train itself.
+        self._handed_back: dict[str, Any] | None = None
         self.results: Any = None
 
     # -- public API -------------------------------------------------------------------------
@@ -135,7 +139,9 @@ class Trainer:
                 self.selection.gpu_ids,
                 slurm_managing_tasks=self.selection.cluster == "slurm",
             )
-        self.results = self._hooks().cardcage_train(trainer=self, accelerator=self.accelerator)
+        hooks = self._hooks()
+        hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+        self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
         return self.results
 
     def _probe_auto_selected_gpus(self) -> None:
@@ -172,23 +178,35 @@ class Trainer:
         return self._evaluate(model, dataloaders, "test_step", "test_dataloader", "test")
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Write a checkpoint atomically (rank 0 writes; every rank waits for it)."""
+        """Write a checkpoint atomically.
+
+        Call it on every rank: each gathers the state (a sharded backend's collectives), rank
+        0 writes, and every rank waits for the file.
+        """
         accelerator = self.accelerator
+        state = self.checkpoint_state()
         if accelerator.is_global_zero:
-            checkpoint.save_atomic(self.checkpoint_state(), path)
+            if state is None:
+                raise RuntimeError(
+                    f"{type(accelerator).__name__}.gather_state returned None on rank 0, "
+                    "which writes the checkpoint: return the full state there"
+                )
+            checkpoint.save_atomic(state, path)
         accelerator.barrier("save_checkpoint")
 
     # -- what backends and the loop call ----------------------------------------------------
 
     def prepare(self) -> None:
-        """Set up this training process: backend setup, optimizers, resume state.
+        """Set up this training process: the backend's per-process setup, the optimizers,
+        the resume state.
 
-        Runs the ``cardcage_setup`` hook (whose default implementation calls the backend's
-        ``setup``), so plugins may wrap it.
+        Runs the ``cardcage_setup_process`` hook (whose default implementation calls the
+        backend's ``setup_process``), so plugins may wrap it.
         """
         # Before setup (which may wait for every rank): a requeue signal from now on counts.
         self._requeue = requeue.handler_for(self)
-        self._hooks().cardcage_setup(trainer=self, accelerator=self.accelerator)
+        self._handed_back = None  # this process trains: its own state is the one to save
+        self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
         self._prepared = True
         self.optimization = configure_optimizers(self.model)
         self.accelerator.setup_optimizers(self)
@@ -204,9 +222,11 @@ class Trainer:
             self._requeue.start(self)
 
     def run_fit_loop(self) -> Any:
-        """Prepare this process and run the training loop in it (what ``train`` defaults to)."""
-        self.prepare()
+        """Train in this process: set it up, run the loop, tear it down (also after a
+        failure). Launchers call it once in every training process."""
+        hooks = self._hooks()
         try:
+            self.prepare()
             loop.fit_loop(self, self.accelerator)
         finally:
             if self._requeue is not None:
@@ -214,7 +234,7 @@ class Trainer:
                 self._requeue = None
             self.in_epoch = False
             self.progress.end_epoch()
-            self.accelerator.teardown(self)
+            hooks.cardcage_teardown_process(trainer=self, accelerator=self.accelerator)
         return None
 
     def at_stop_step(self) -> None:
@@ -250,14 +270,24 @@ class Trainer:
             self.logged_metrics["loss"] = values[-1]
         self.logged_metrics["epoch"] = float(self.current_epoch)
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything a resumed run needs, as plain tensors and containers."""
-        model = self.accelerator.unwrapped_model(self)
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """Everything a resumed run needs, as plain tensors and containers.
+
+        Collective-safe: call it on every rank at the same point. The backend's
+        ``gather_state`` supplies the model and optimizers (a sharded backend gathers them);
+        ranks that hold no full copy get ``None``. In a process that did not train (the
+        caller of a spawned run) it is the state the workers handed back, with the model's
+        current weights.
+        """
+        if self._handed_back is not None:
+            return {**self._handed_back, "state_dict": self.model.state_dict()}
+        gathered = self.accelerator.gather_state(self)
+        if gathered is None:
+            return None
         state = {
             "format": checkpoint.FORMAT,
             "cardcage_version": __version__,
-            "state_dict": model.state_dict(),
-            "optimizers": [o.state_dict() for o in self.optimization.optimizers],
+            **gathered,
             "schedulers": [s.state_dict() for s in self.optimization.schedulers],
             "scaler": self.accelerator.precision.state_dict(),
             "epoch": self.current_epoch,
@@ -275,6 +305,7 @@ class Trainer:
         state = self.__dict__.copy()
         state["_registry"] = None  # pluggy's manager stays behind; attach() reloads it
         state["_requeue"] = None  # threads and a signal handler belong to one process
+        state["_handed_back"] = None  # workers train, and so hold their own state
         state["progress"] = ProgressBar(False)
         selection = self.selection
         if selection.environment is not None:
@@ -295,29 +326,34 @@ class Trainer:
         if self._registry is None:
             self._registry = plugins.registry(os.environ)
 
-    def export_results(self) -> dict[str, Any]:
-        """What a worker hands back to the launching process: weights, metrics, counters."""
-        return self.accelerator.portable(
-            {
-                "state_dict": self.accelerator.unwrapped_model(self).state_dict(),
-                "logged_metrics": dict(self.logged_metrics),
-                "losses": list(self.losses),
-                "global_step": self.global_step,
-                "current_epoch": self.current_epoch,
-            }
-        )
+    def export_results(self) -> dict[str, Any] | None:
+        """What a worker hands back to the launching process: the whole training state (a
+        checkpoint), the logged metrics and the losses. Collective-safe, like
+        :meth:`checkpoint_state`; ``None`` on ranks that hold no full copy."""
+        state = self.checkpoint_state()
+        if state is None:
+            return None
+        return {
+            "checkpoint": state,
+            "logged_metrics": dict(self.logged_metrics),
+            "losses": list(self.losses),
+        }
 
     def apply_results(self, result: dict[str, Any]) -> None:
-        """Take the counters and metrics a worker exported (the weights are loaded apart)."""
+        """Take what a worker exported: the weights into the user's model, the counters and
+        metrics, and the rest of the state for a later ``save_checkpoint`` here."""
+        state = dict(result["checkpoint"])
+        self.model.load_state_dict(state.pop("state_dict"))
         self.logged_metrics = dict(result["logged_metrics"])
         self.losses = list(result["losses"])
-        self.global_step = int(result["global_step"])
-        self.current_epoch = int(result["current_epoch"])
+        self.global_step = int(state["global_step"])
+        self.current_epoch = int(state["epoch"])
+        self.batch_idx = int(state["batch_idx"])
+        self._handed_back = state
 
     # -- internals --------------------------------------------------------------------------
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.accelerator.unwrapped_model(self).load_state_dict(state["state_dict"])
         optimizers = self.optimization.optimizers
         if len(state["optimizers"]) != len(optimizers):
             raise MisconfigurationError(
@@ -325,8 +361,7 @@ class Trainer:
                 f"{len(state['optimizers'])} optimizer state(s), but configure_optimizers() "
                 f"returned {len(optimizers)}. Resume with the model that wrote it."
             )
-        for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
+        self.accelerator.restore_state(self, state)  # on every rank
         for scheduler, saved in zip(
             self.optimization.schedulers, state["schedulers"], strict=False
         ):
@@ -359,8 +394,14 @@ class Trainer:
             raise MisconfigurationError(
                 f"{prefix}: no dataloader. Pass dataloaders=... or add {source}() to the model."
             )
+        if self._handed_back is not None:
+            # Workers trained and are gone: this process evaluates the whole data alone, on
+            # the CPU, with the weights they handed back.
+            alone = Strategy(dataclasses.replace(self.selection, world_size=1, global_rank=0))
+            alone.setup_process(self)
+            return loop.evaluate(self, alone, loaders, step, prefix)
         if not self._prepared:
-            self._hooks().cardcage_setup(trainer=self, accelerator=self.accelerator)
+            self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
             self._prepared = True
         return loop.evaluate(self, self.accelerator, loaders, step, prefix)
 

@@ -52,19 +52,22 @@ def test_precision_16_is_refused_with_bf16_offered(backend: Any) -> None:
     backend.check_precision(select(env=ALONE, tpu_cores=1, precision="bf16"))
 
 
-def test_the_job_travels_as_plain_pickle_copies() -> None:
-    from cardcage_tpu import pickled
+def pickled(job: Any) -> bytes:
+    from cardcage_tpu import XmpLauncher
 
+    return XmpLauncher(None).pickle(job)  # type: ignore[arg-type]
+
+
+def test_the_job_travels_as_plain_pickle_copies() -> None:
     model = torch.nn.Linear(2, 2)
-    job = SimpleNamespace(model=model, train_dataloader=[1], val_dataloaders=[], flags=None)
+    flags = SimpleNamespace(tpu_cores=8)
+    job = SimpleNamespace(model=model, train_dataloader=[1], val_dataloaders=[], flags=flags)
     copy = pickle.loads(pickled(job))
     assert copy.model.weight.data_ptr() != model.weight.data_ptr()
     assert torch.equal(copy.model.weight, model.weight)
 
 
 def test_an_unpicklable_model_is_named_before_anything_starts() -> None:
-    from cardcage_tpu import pickled
-
     model = torch.nn.Linear(2, 2)
     model.hook = lambda: None  # type: ignore[assignment]
     job = SimpleNamespace(

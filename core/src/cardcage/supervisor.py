@@ -1,68 +1,40 @@
-"""Starting the processes of a job on this node and making sure none outlives a failure.
-
-Two launchers: :func:`relaunch_script` re-runs the user's script once per extra local rank
-(the launching process trains as local rank 0, as in Lightning 1.0), and :func:`spawn`
-starts workers with ``torch.multiprocessing``'s spawn context. Both put the children under a
-:class:`Supervisor`:
+"""Supervision of a launcher's children: none outlives a failure, the first failure is named.
 
 - a child that exits non-zero (or is killed) stops every other child within seconds, and the
   launcher raises :class:`~cardcage.errors.RankFailedError` naming the first failing rank
-  with its traceback (children write it to an error file);
+  with its traceback (children write it to an error file, :mod:`cardcage.failures`);
 - SIGINT and SIGTERM to the launcher stop all of its children first;
 - children die with their launcher (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the
   launcher leaves nothing behind;
 - the watcher costs nothing per training step: no collective, no polling from the loop.
-
-When no ``MASTER_PORT`` is set on a single node, the launcher hosts the rendezvous
-``TCPStore`` on a port the kernel picks (port 0), so two jobs started at once never race for
-a port; ranks then report their arrival, and a rank that never arrives is named.
 """
 
 from __future__ import annotations
 
 import _thread
-import atexit
 import contextlib
 import ctypes
-import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cardcage.errors import MisconfigurationError, RankFailedError
+from cardcage.errors import RankFailedError
+from cardcage.failures import read_error_file
+from cardcage.rendezvous import INIT_TIMEOUT, arrival_key, init_timeout
 
-log = logging.getLogger("cardcage")
 T = TypeVar("T")
-
-ERROR_FILE = "CARDCAGE_ERROR_FILE"
-HOSTED_STORE = "CARDCAGE_HOSTED_STORE"
-INIT_TIMEOUT = "CARDCAGE_INIT_TIMEOUT"
 STOP_GRACE_S = 3.0
+#: How often the watcher looks at the children.
+POLL_S = 0.1
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def init_timeout() -> float:
-    """Seconds every rank may take to arrive (``CARDCAGE_INIT_TIMEOUT``, default 300)."""
-    raw = os.environ.get(INIT_TIMEOUT, "300")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise MisconfigurationError(
-            f"environment variable {INIT_TIMEOUT}={raw!r} is not a number of seconds."
-        ) from None
-    return value
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -74,58 +46,6 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         libc.prctl(1, sig)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the parent died before prctl took effect
             os.kill(os.getpid(), sig)
-
-
-def write_error_file(error: BaseException) -> None:
-    """Record this rank's traceback (and when it failed) for the launcher's report."""
-    path = os.environ.get(ERROR_FILE)
-    if not path:
-        return
-    with contextlib.suppress(OSError):
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        Path(path).write_text(f"{time.time()}\n{text}")
-
-
-def read_error_file(path: Path) -> tuple[float, str]:
-    """``(time of failure, traceback)``; ``(inf, "")`` when the rank left none."""
-    try:
-        stamp, _, text = path.read_text().partition("\n")
-        return float(stamp), text
-    except (OSError, ValueError):
-        return float("inf"), ""
-
-
-# -- the rendezvous store -------------------------------------------------------------------
-
-_hosted: dict[str, Any] = {}
-
-
-def host_store(world_size: int) -> Any:
-    """Host the job's TCPStore in this process on a free port (kernel-chosen, no race)."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-    store = TCPStore(
-        "127.0.0.1",
-        0,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=init_timeout()),
-    )
-    _hosted["store"] = store
-    return store
-
-
-def hosted_store() -> Any | None:
-    """The store this process hosts, if it hosts one."""
-    return _hosted.get("store")
-
-
-def arrival_key(rank: int) -> str:
-    return f"cardcage/arrived/{rank}"
-
-
-# -- supervision ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -163,6 +83,8 @@ class Supervisor:
     in_fit: threading.Event = field(default_factory=threading.Event)
     acknowledged: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    #: When each child was last seen running (``time.monotonic()``).
+    _alive_at: dict[int, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     #: Whether the watcher may interrupt the main thread (set while a fit runs there).
     _interruptible: bool = False
@@ -180,12 +102,12 @@ class Supervisor:
         deadline = time.monotonic() + init_timeout()
         waiting = set(range(self.world_size)) if self.store is not None else set()
         while not self.stopping.is_set():
-            caught = self._wait_signal(0.1)
+            caught = self._wait_signal(POLL_S)
             if caught is not None:
                 self.signal_received = caught
                 self._abort(None)
                 return
-            failed = self._first_failure()
+            failed = self.first_failure()
             if failed is not None:
                 self._abort(failed)
                 return
@@ -208,21 +130,32 @@ class Supervisor:
             ):
                 return  # every child finished cleanly and no fit is running
 
-    def _first_failure(self) -> Failure | None:
-        failures = []
+    def first_failure(self) -> Failure | None:
+        """The failed child that failed first, or ``None`` while none has.
+
+        A child's time of failure is the one its error file records. A child killed from
+        outside (SIGKILL, SIGTERM: a peer's death never ends a rank that way) leaves no file;
+        it died after it was last seen running and before its peers noticed, so it counts
+        from the last time it was seen running.
+        """
+        now = time.monotonic()
+        failed = []
         for child in self.children:
-            code = child.poll()
-            if code not in (None, 0):
-                when, text = read_error_file(child.error_file)
-                failures.append(Failure(child.rank, code, text, when=when))
-        if not failures:
+            if child.poll() in (None, 0):
+                self._alive_at[child.rank] = now
+            else:
+                failed.append(child)
+        if not failed:
             return None
         time.sleep(0.2)  # let ranks that fail as a consequence leave their files too
-        for failure in failures:
-            failure.when, text = read_error_file(
-                next(c for c in self.children if c.rank == failure.rank).error_file
-            )
-            failure.details = text or failure.details
+        failures = []
+        offset = time.time() - time.monotonic()  # error files hold wall-clock times
+        for child in failed:
+            code = child.poll()
+            when, text = read_error_file(child.error_file)
+            if not text and code in (-signal.SIGKILL, -signal.SIGTERM):
+                when = self._alive_at.get(child.rank, 0.0) + offset
+            failures.append(Failure(child.rank, code, text, when=when))
         return min(failures, key=lambda f: (f.when, f.rank))
 
     def _abort(self, failure: Failure | None) -> None:
@@ -359,7 +292,7 @@ class Supervisor:
             failed = None
             deadline, extended = time.monotonic() + 2.0, False
             while time.monotonic() < deadline:
-                failed = self.failure or self._first_failure()
+                failed = self.failure or self.first_failure()
                 if failed is not None or self.signal_received is not None:
                     break
                 if not extended and any(
@@ -393,217 +326,3 @@ def stop_processes(pids: Sequence[int], polls: Sequence[Callable[[], int | None]
                 os.kill(pid, signal.SIGKILL)
     for poll in polls:
         poll()
-
-
-# -- script relaunch (ddp) --------------------------------------------------------------------
-
-_relaunched: dict[str, Supervisor] = {}
-DEFAULT_ADDRESS = "127.0.0.1"
-
-
-def current_supervisor() -> Supervisor | None:
-    """The supervisor of the processes this script already relaunched, if any."""
-    return _relaunched.get("supervisor")
-
-
-def script_command() -> list[str]:
-    """How to run the user's script again: ``python script.py args`` or ``python -m mod``."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name not in ("__main__", None):
-        return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
-    script = sys.argv[0] if sys.argv else ""
-    if not script or script == "-c" or not os.path.exists(script):
-        raise MisconfigurationError(
-            "distributed_backend='ddp' starts its processes by running your script again, "
-            f"but this process has no script (sys.argv[0]={script!r}: an interactive session, "
-            "a notebook or python -c). Use distributed_backend='ddp_spawn' there, or run a "
-            "script."
-        )
-    return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
-
-
-def relaunch_script(
-    *,
-    node_rank: int,
-    processes_per_node: int,
-    num_nodes: int,
-    master_address: str,
-    master_port: int | None,
-    gpu_ids: list[int] | None,
-) -> Supervisor:
-    """Start local ranks 1..n-1 of this node by re-running the script; this process is 0.
-
-    Afterwards this process's environment says it is local rank 0 of a launched job, so a
-    second ``fit`` (or a new Trainer) in the script joins the same processes instead of
-    launching again.
-    """
-    import subprocess
-
-    if "supervisor" in _relaunched:
-        return _relaunched["supervisor"]
-    world_size = processes_per_node * num_nodes
-    base_rank = node_rank * processes_per_node
-    env = dict(os.environ)
-    command = script_command()
-    hosted = master_port is None
-    if hosted:
-        if num_nodes > 1:
-            raise MisconfigurationError(
-                f"num_nodes={num_nodes} launched by hand needs MASTER_PORT (and MASTER_ADDR) "
-                "set to the same values on every node. Set them, or launch with torchrun/srun."
-            )
-        store = host_store(world_size)
-        master_port = int(store.port)
-        env[HOSTED_STORE] = "1"
-    errors = Path(tempfile.mkdtemp(prefix="cardcage-errors-"))
-    atexit.register(shutil.rmtree, errors, True)  # the children's error files, once read
-    env.update(
-        {
-            "MASTER_ADDR": master_address,
-            "MASTER_PORT": str(master_port),
-            "WORLD_SIZE": str(world_size),
-            "NODE_RANK": str(node_rank),
-            "GROUP_RANK": str(node_rank),
-            "LOCAL_WORLD_SIZE": str(processes_per_node),
-        }
-    )
-    if gpu_ids:
-        env["CARDCAGE_GPUS"] = ",".join(str(i) for i in gpu_ids)
-    children = []
-    for local_rank in range(1, processes_per_node):
-        child_env = {
-            **env,
-            "LOCAL_RANK": str(local_rank),
-            "RANK": str(base_rank + local_rank),
-            ERROR_FILE: str(errors / f"rank-{base_rank + local_rank}.txt"),
-        }
-        process = subprocess.Popen(
-            command,
-            env=child_env,
-            cwd=os.getcwd(),
-            preexec_fn=_child_preexec,
-        )
-        children.append(
-            Child(
-                base_rank + local_rank,
-                process.pid,
-                process.poll,
-                errors / f"rank-{base_rank + local_rank}.txt",
-            )
-        )
-    # This process is local rank 0 from now on: a later fit joins these processes.
-    os.environ.update(env)
-    os.environ.update({"LOCAL_RANK": "0", "RANK": str(base_rank)})
-    supervisor = Supervisor(
-        children, store=hosted_store() if hosted else None, world_size=world_size if hosted else 0
-    )
-    _relaunched["supervisor"] = supervisor
-    log.info(
-        "cardcage: started %d process(es) on node %d by re-running %s",
-        len(children),
-        node_rank,
-        " ".join(command),
-    )
-    return supervisor
-
-
-def _child_preexec() -> None:
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # whatever mask the launching thread had
-    set_parent_death_signal()
-
-
-# -- spawn (ddp_spawn) ----------------------------------------------------------------------
-
-
-def spawn(
-    worker: Callable[..., None],
-    nprocs: int,
-    args: tuple[Any, ...],
-    *,
-    node_rank: int,
-    num_nodes: int,
-    master_address: str,
-    master_port: int | None,
-) -> Path:
-    """Start ``worker(local_rank, rank_env, *args)`` in ``nprocs`` spawned processes and wait.
-
-    Returns the folder where rank 0 leaves its results. Raises
-    :class:`~cardcage.errors.RankFailedError` when a worker fails.
-    """
-    import multiprocessing
-
-    world_size = nprocs * num_nodes
-    hosted = master_port is None
-    if hosted:
-        if num_nodes > 1:
-            raise MisconfigurationError(
-                f"num_nodes={num_nodes} launched by hand needs MASTER_PORT (and MASTER_ADDR) "
-                "set to the same values on every node."
-            )
-        master_port = int(host_store(world_size).port)
-    folder = Path(tempfile.mkdtemp(prefix="cardcage-spawn-"))
-    context = multiprocessing.get_context("spawn")
-    children = []
-    for local_rank in range(nprocs):
-        rank = node_rank * nprocs + local_rank
-        rank_env = {
-            "MASTER_ADDR": master_address,
-            "MASTER_PORT": str(master_port),
-            "WORLD_SIZE": str(world_size),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "NODE_RANK": str(node_rank),
-            "GROUP_RANK": str(node_rank),
-            "LOCAL_WORLD_SIZE": str(nprocs),
-            ERROR_FILE: str(folder / f"rank-{rank}.txt"),
-        }
-        if hosted:
-            rank_env[HOSTED_STORE] = "1"
-        process = context.Process(
-            target=worker, args=(local_rank, rank_env, *args), name=f"cardcage-rank-{rank}"
-        )
-        process.start()
-        children.append(
-            Child(rank, process.pid or 0, _exitcode(process), folder / f"rank-{rank}.txt")
-        )
-    supervisor = Supervisor(
-        children, store=hosted_store() if hosted else None, world_size=world_size if hosted else 0
-    )
-
-    def wait() -> None:
-        while any(child.poll() is None for child in children):
-            time.sleep(0.05)
-
-    try:
-        supervisor.run(wait)
-        # Workers that failed while this process was leaving the wait are failures too
-        # (the watcher may have recorded one already).
-        failed = supervisor.failure or supervisor._first_failure()
-        if failed is not None:
-            raise failed.error()
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)  # the error files are read by now
-        raise
-    finally:
-        _hosted.pop("store", None)
-    return folder
-
-
-def _exitcode(process: Any) -> Callable[[], int | None]:
-    def poll() -> int | None:
-        code: int | None = process.exitcode
-        return code
-
-    return poll
-
-
-def spawned_worker_start(rank_env: dict[str, str]) -> None:
-    """First thing in a spawned worker: its rank variables, and death with the launcher."""
-    set_parent_death_signal()
-    os.environ.update(rank_env)
-
-
-def result_path() -> Path:
-    """Where a spawned worker leaves its results for the launcher."""
-    return Path(os.environ[ERROR_FILE]).parent / f"result-node{os.environ.get('NODE_RANK', '0')}.pt"

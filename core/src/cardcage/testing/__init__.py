@@ -1,0 +1,36 @@
+"""``cardcage.testing``: the conformance kit every backend plugin runs against itself.
+
+In a plugin's tests, one class is enough::
+
+    from cardcage.testing import BackendSuite, Launch
+
+    class TestAcme(BackendSuite):
+        backend = "acme"
+        launches = {"two_processes": Launch({"distributed_backend": "acme",
+                                             "num_processes": 2}, world_size=2)}
+
+pytest (through the ``cardcage.testing`` plugin, registered with the ``pytest11`` entry
+point) then runs the contract's checks against the backend: it loads alone and strictly;
+its names are its own; selection and availability start no process, thread or socket and
+create no CUDA context; selections in fake environments (plain, torchrun rank 1, SLURM,
+horovodrun, two nodes) are explained or refused with a message; and, for each launch, a job
+that trains like a plain PyTorch loop at batch = world size x per-process batch (SGD with
+momentum, Adam with a scheduler, shuffled or not, uneven data, ``drop_last``, two
+optimizers, ``max_steps`` mid-epoch), with the lifecycle in its order, the user's model
+whole after ``fit``, validation reduced across ranks, checkpoints after fit, between steps
+and from inside ``training_step`` that load with ``weights_only=True`` and resume other
+weights to the uninterrupted run's, a failing rank named with no process left, and no
+process or temporary folder left behind.
+"""
+
+from __future__ import annotations
+
+from cardcage.testing.selection_checks import SelectionChecks
+from cardcage.testing.suite import Launch
+from cardcage.testing.training_checks import TrainingChecks
+
+__all__ = ["BackendSuite", "Launch"]
+
+
+class BackendSuite(SelectionChecks, TrainingChecks):
+    """The whole conformance suite; subclass it as ``Test<Backend>`` (see the module)."""

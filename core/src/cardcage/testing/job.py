@@ -1,0 +1,189 @@
+"""The conformance kit's training job: ``python -m cardcage.testing.job SPEC.json``.
+
+The spec names the Trainer flags of a launch and the scenarios to run. Every process that
+runs this script (the caller; under script relaunch, torchrun or a manual multi-node launch,
+every rank) runs the scenarios in order, each with fresh Trainers, and writes what it saw to
+``<out>/<scenario>-rank<R>.json``. A scenario named ``fail`` makes rank 1 raise at its second
+step; it runs alone, in an invocation of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cardcage
+from cardcage.testing.models import (
+    SAMPLES,
+    SCENARIO,
+    UNEVEN_SAMPLES,
+    VAL_SAMPLES,
+    KitModel,
+    current,
+    flat,
+    loader,
+)
+
+
+class Job:
+    """One process's view of a spec: its flags, batch size and output folder."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.flags: dict[str, Any] = spec["flags"]
+        self.batch = int(spec["batch_size"])
+        self.out = Path(spec["out"])
+
+    def trainer(self, **flags: Any) -> cardcage.Trainer:
+        return cardcage.Trainer(**{"progress_bar": False, **self.flags, **flags})
+
+    def train(self, samples: int = SAMPLES, **options: Any) -> Any:
+        return loader(samples, self.batch, **options)
+
+    def val(self) -> Any:
+        return loader(VAL_SAMPLES, self.batch)
+
+    def path(self, name: str) -> str:
+        return str(self.out / name)
+
+
+def _fit(job: Job, model: KitModel, data: Any, val: Any = None, **flags: Any) -> Any:
+    trainer = job.trainer(**flags)
+    trainer.fit(model, data, val)
+    return trainer
+
+
+def sgd(job: Job) -> dict[str, Any]:
+    """Momentum SGD, unshuffled, with validation; then what fit left, and a second fit."""
+    model = KitModel("sgd")
+    trainer = _fit(job, model, job.train(), job.val(), max_epochs=2)
+    result = {
+        "weights": flat(model),
+        "val_loss": trainer.logged_metrics.get("val_loss"),
+        "class": type(model).__name__,
+        "plain_tensors": all(type(p.data) is torch.Tensor for p in model.parameters()),
+        "global_step": trainer.global_step,
+        "validate": trainer.validate(model, job.val())["val_loss"],
+        "test": trainer.test(model, job.val())["test_loss"],
+    }
+    _fit(job, model, job.train(), max_epochs=2)  # a new Trainer continues the same model
+    result["second_fit"] = flat(model)
+    return result
+
+
+def adam_shuffled(job: Job) -> dict[str, Any]:
+    model = KitModel("adam")
+    _fit(job, model, job.train(shuffle=True), max_epochs=2)
+    return {"weights": flat(model)}
+
+
+def uneven(job: Job) -> dict[str, Any]:
+    model = KitModel("sgd")
+    _fit(job, model, job.train(UNEVEN_SAMPLES), max_epochs=2)
+    return {"weights": flat(model)}
+
+
+def drop_last(job: Job) -> dict[str, Any]:
+    model = KitModel("sgd")
+    _fit(job, model, job.train(UNEVEN_SAMPLES, drop_last=True), max_epochs=2)
+    return {"weights": flat(model)}
+
+
+def two_optimizers(job: Job) -> dict[str, Any]:
+    model = KitModel("two")
+    _fit(job, model, job.train(), max_epochs=2)
+    return {"weights": flat(model)}
+
+
+def max_steps(job: Job) -> dict[str, Any]:
+    """Stop mid-epoch, checkpoint between steps, resume other weights to a later step."""
+    model = KitModel("adam")
+    trainer = _fit(job, model, job.train(), max_epochs=None, max_steps=5)
+    trainer.save_checkpoint(job.path("max_steps.ckpt"))
+    resumed = KitModel("adam", seed=99)
+    _fit(
+        job,
+        resumed,
+        job.train(),
+        max_epochs=None,
+        max_steps=12,
+        resume_from_checkpoint=job.path("max_steps.ckpt"),
+    )
+    return {"weights": flat(model), "resumed": flat(resumed), "global_step": trainer.global_step}
+
+
+def checkpoint(job: Job) -> dict[str, Any]:
+    """Adam with a scheduler: save after fit, resume other weights for two more epochs."""
+    model = KitModel("adam")
+    trainer = _fit(job, model, job.train(shuffle=True), max_epochs=1)
+    trainer.save_checkpoint(job.path("after_fit.ckpt"))
+    resumed = KitModel("adam", seed=99)
+    _fit(
+        job,
+        resumed,
+        job.train(shuffle=True),
+        max_epochs=3,
+        resume_from_checkpoint=job.path("after_fit.ckpt"),
+    )
+    return {"weights": flat(model), "resumed": flat(resumed)}
+
+
+def checkpoint_in_step(job: Job) -> dict[str, Any]:
+    """Save from inside ``training_step`` at step 3; resume from there to the end."""
+    model = KitModel("sgd", save_at=(3, job.path("in_step.ckpt")))
+    _fit(job, model, job.train(), max_epochs=2)
+    resumed = KitModel("sgd", seed=99)
+    _fit(job, resumed, job.train(), max_epochs=2, resume_from_checkpoint=job.path("in_step.ckpt"))
+    return {"weights": flat(model), "resumed": flat(resumed)}
+
+
+def fail(job: Job) -> dict[str, Any]:
+    """Rank 1 raises at its second step."""
+    model = FailingModel("sgd")
+    _fit(job, model, job.train(), max_epochs=1)
+    return {"weights": flat(model)}
+
+
+class FailingModel(KitModel):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        trainer = current.get("trainer")
+        if trainer is not None and trainer.accelerator.global_rank == 1 and batch_idx == 1:
+            raise RuntimeError("injected failure on rank 1 at its second step")
+        return super().training_step(batch, batch_idx)
+
+
+SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
+    "sgd": sgd,
+    "adam_shuffled": adam_shuffled,
+    "uneven": uneven,
+    "drop_last": drop_last,
+    "two_optimizers": two_optimizers,
+    "max_steps": max_steps,
+    "checkpoint": checkpoint,
+    "checkpoint_in_step": checkpoint_in_step,
+    "fail": fail,
+}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    job = Job(spec)
+    job.out.mkdir(parents=True, exist_ok=True)
+    for name in spec["scenarios"]:
+        os.environ[SCENARIO] = name
+        result = SCENARIOS[name](job)
+        rank = int(os.environ.get("RANK", "0"))
+        result.update(rank=rank, pid=os.getpid())
+        target = job.out / f"{name}-rank{rank}.json"
+        target.with_suffix(".tmp").write_text(json.dumps(result))
+        os.replace(target.with_suffix(".tmp"), target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

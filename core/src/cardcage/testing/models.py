@@ -1,0 +1,161 @@
+"""The conformance kit's model, data and lifecycle tracer.
+
+Importing this module registers :data:`TRACER`, an in-process plugin that wraps the four
+lifecycle hooks. It records nothing unless ``CARDCAGE_KIT_TRACE`` names a folder; then each
+process appends one JSON line per event to ``trace-<pid>.jsonl`` there. Spawned workers import
+this module when they unpickle the model, so they trace too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from cardcage import plugins
+from cardcage.spec import hookimpl
+
+TRACE = "CARDCAGE_KIT_TRACE"
+SCENARIO = "CARDCAGE_KIT_SCENARIO"
+FEATURES = 4
+HIDDEN = 3
+#: Samples of the training data, of the validation data, and of the uneven scenarios.
+SAMPLES, VAL_SAMPLES, UNEVEN_SAMPLES = 64, 32, 71
+
+#: The trainer this process is fitting, for a model that checkpoints from a step.
+current: dict[str, Any] = {}
+
+
+def record(event: str, **details: Any) -> None:
+    """Append an event of this process to the trace, when tracing."""
+    folder = os.environ.get(TRACE)
+    if not folder:
+        return
+    line = {"event": event, "pid": os.getpid(), "scenario": os.environ.get(SCENARIO), **details}
+    with open(Path(folder) / f"trace-{os.getpid()}.jsonl", "a") as stream:
+        stream.write(json.dumps(line) + "\n")
+
+
+class Tracer:
+    """Wraps the lifecycle hooks and records where and in which order they ran."""
+
+    @hookimpl(wrapper=True)
+    def cardcage_setup(self, trainer: Any, accelerator: Any) -> Generator[None, Any, Any]:
+        record("setup")
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def cardcage_train(self, trainer: Any, accelerator: Any) -> Generator[None, Any, Any]:
+        record("train")
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def cardcage_setup_process(self, trainer: Any, accelerator: Any) -> Generator[None, Any, Any]:
+        current["trainer"] = trainer
+        result = yield
+        record("setup_process", rank=accelerator.global_rank, world=accelerator.world_size)
+        return result
+
+    @hookimpl(wrapper=True)
+    def cardcage_teardown_process(
+        self, trainer: Any, accelerator: Any
+    ) -> Generator[None, Any, Any]:
+        try:
+            return (yield)
+        finally:
+            record("teardown", rank=accelerator.global_rank)
+            current.pop("trainer", None)
+
+
+TRACER = Tracer()
+plugins.register(TRACER, name="cardcage-testing-tracer")
+
+
+class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``(x, y)`` samples of a noisy non-linear target, the same in every process."""
+
+    def __init__(self, samples: int, seed: int = 1234):
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(samples, FEATURES, generator=generator)
+        w = torch.arange(1.0, FEATURES + 1).unsqueeze(1)
+        self.y = torch.tanh(self.x @ w) + 0.1 * torch.randn(samples, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
+def make_net(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
+    )
+
+
+def make_optimizers(net: torch.nn.Module, kind: str) -> tuple[list[Any], list[Any]]:
+    """The optimizers and schedulers of ``kind``: sgd (momentum), adam (with a StepLR), two."""
+    if kind == "adam":
+        adam = torch.optim.Adam(net.parameters(), lr=0.01)
+        return [adam], [torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)]
+    if kind == "two":
+        first, second = net[0], net[2]  # type: ignore[index]
+        return [
+            torch.optim.SGD(first.parameters(), lr=0.05, momentum=0.9),
+            torch.optim.Adam(second.parameters(), lr=0.01),
+        ], []
+    return [torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)], []
+
+
+class KitModel(torch.nn.Module):
+    """The model every scenario trains: the user's side of cardcage's contract."""
+
+    def __init__(
+        self, optimizer: str = "sgd", seed: int = 0, save_at: tuple[int, str] | None = None
+    ):
+        super().__init__()
+        self.net = make_net(seed)
+        self.optimizer = optimizer
+        self.save_at = save_at  # (global step, path): checkpoint from inside training_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = self.net(x)
+        return output
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        trainer = current.get("trainer")
+        if self.save_at is not None and trainer is not None:
+            step, path = self.save_at
+            if trainer.global_step == step:
+                trainer.save_checkpoint(path)
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.l1_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        record("configure_optimizers")
+        optimizers, schedulers = make_optimizers(self.net, self.optimizer)
+        return (optimizers, schedulers) if schedulers else optimizers
+
+
+def loader(samples: int, batch_size: int, shuffle: bool = False, drop_last: bool = False) -> Any:
+    return DataLoader(
+        Regression(samples), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last
+    )
+
+
+def flat(module: torch.nn.Module) -> list[float]:
+    return [float(v) for p in module.parameters() for v in p.detach().reshape(-1)]

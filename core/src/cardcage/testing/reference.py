@@ -1,0 +1,123 @@
+"""Plain PyTorch loops the kit compares every backend against.
+
+``world`` processes of ``batch`` samples each train like one process of ``world * batch``
+samples: each step's global batch is the union of what ``DistributedSampler`` gives each
+rank, and the gradient is the mean over ranks of each rank's mean loss (what
+DistributedDataParallel's averaging computes). One process (``world == 1``) is a plain
+``DataLoader`` loop, drawing its shuffles from the global random state as the job does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from cardcage.testing.models import (
+    SAMPLES,
+    VAL_SAMPLES,
+    Regression,
+    flat,
+    loader,
+    make_net,
+    make_optimizers,
+)
+
+
+def _rank_batches(
+    samples: int, batch: int, world: int, rank: int, epoch: int, shuffle: bool, drop_last: bool
+) -> list[list[int]]:
+    sampler: DistributedSampler[int] = DistributedSampler(
+        range(samples),  # type: ignore[arg-type]  # a sized sequence is all it needs
+        num_replicas=world,
+        rank=rank,
+        shuffle=shuffle,
+        drop_last=drop_last,
+    )
+    sampler.set_epoch(epoch)
+    indices = list(sampler)
+    chunks = [indices[i : i + batch] for i in range(0, len(indices), batch)]
+    if drop_last and chunks and len(chunks[-1]) < batch:
+        chunks.pop()
+    return chunks
+
+
+def global_batches(
+    data: Regression, batch: int, world: int, epoch: int, shuffle: bool, drop_last: bool
+) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each step's batches, one per rank (drawing the epoch's shuffle when ``world == 1``)."""
+    if world == 1:
+        for x, y in loader(len(data), batch, shuffle=shuffle, drop_last=drop_last):
+            yield [(x, y)]
+        return
+    per_rank = [
+        _rank_batches(len(data), batch, world, r, epoch, shuffle, drop_last) for r in range(world)
+    ]
+    for step in zip(*per_rank, strict=True):
+        yield [(data.x[idx], data.y[idx]) for idx in step]
+
+
+def train(
+    model: torch.nn.Module,
+    kind: str,
+    *,
+    batch: int,
+    world: int,
+    epochs: int | None,
+    samples: int = SAMPLES,
+    shuffle: bool = False,
+    drop_last: bool = False,
+    max_steps: int | None = None,
+) -> int:
+    """Train ``model`` as the job's scenario would; returns the number of steps taken."""
+    optimizers, schedulers = make_optimizers(model, kind)  # type: ignore[arg-type]
+    data = Regression(samples)
+    limit = max_steps if max_steps is not None else math.inf
+    last = epochs if epochs is not None else math.inf
+    step, epoch = 0, 0
+    while epoch < last and step < limit:
+        steps = list(global_batches(data, batch, world, epoch, shuffle, drop_last))
+        taken = 0
+        for parts in steps:
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in parts]
+            torch.stack(losses).mean().backward()  # type: ignore[no-untyped-call]
+            for optimizer in optimizers:
+                optimizer.step()
+            step, taken = step + 1, taken + 1
+            if step >= limit:
+                break
+        if step < limit or taken == len(steps):  # the epoch ran to its end
+            for scheduler in schedulers:
+                scheduler.step()
+        epoch += 1
+    return step
+
+
+def weights(kind: str, *, seed: int = 0, **options: Any) -> list[float]:
+    """Final weights of the plain loop for a fresh model of ``seed``."""
+    model = make_net(seed)
+    train(model, kind, **options)
+    return flat(model)
+
+
+def metrics(weights_of: list[float]) -> dict[str, float]:
+    """Validation (mse) and test (l1) means over the validation data for given weights."""
+    model = make_net(0)
+    with torch.no_grad():
+        offset = 0
+        for parameter in model.parameters():
+            count = parameter.numel()
+            values = torch.tensor(weights_of[offset : offset + count], dtype=parameter.dtype)
+            parameter.copy_(values.reshape(parameter.shape))
+            offset += count
+        data = Regression(VAL_SAMPLES)
+        prediction = model(data.x)
+        return {
+            "val_loss": float(torch.nn.functional.mse_loss(prediction, data.y)),
+            "test_loss": float(torch.nn.functional.l1_loss(prediction, data.y)),
+        }

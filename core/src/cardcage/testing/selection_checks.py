@@ -1,0 +1,119 @@
+"""The suite's checks of loading and selection: nothing here starts a training process."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from cardcage.testing.suite import ENVIRONMENTS, SuiteBase
+
+# Runs in a fresh interpreter: loads the plugin alone, strictly, and prints what it found.
+LOAD_ALONE = """
+import json, sys
+from cardcage import plugins
+registry = plugins.registry(__import__("os").environ)
+found = registry.accelerators.get(sys.argv[1])
+print(json.dumps({
+    "names": sorted(registry.accelerators),
+    "plugin": found.plugin if found else None,
+    "distribution": found.distribution if found else None,
+    "records": [[r.name, r.status, r.error or ""] for r in registry.plugins],
+}))
+"""
+
+# Counts what a process holds (threads, children, sockets, CUDA), selects, and counts again.
+PURITY = """
+import json, os, sys
+def held():
+    fds = os.listdir("/proc/self/fd")
+    sockets = sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+                  for fd in fds if os.path.exists(f"/proc/self/fd/{fd}"))
+    children = sum(len(open(f"/proc/self/task/{t}/children").read().split())
+                   for t in os.listdir("/proc/self/task"))
+    return {"threads": len(os.listdir("/proc/self/task")), "children": children,
+            "sockets": sockets}
+import torch, cardcage
+from cardcage import plugins
+plugins.registry(os.environ)
+before = held()
+for flags in ({"distributed_backend": sys.argv[1]}, {}, {"num_processes": 2}):
+    try:
+        cardcage.select(**flags).explain()
+    except cardcage.MisconfigurationError:
+        pass
+after = held()
+print(json.dumps({"before": before, "after": after, "cuda": torch.cuda.is_initialized()}))
+"""
+
+
+class SelectionChecks(SuiteBase):
+    """Loading, names, purity of selection, and the rule matrix."""
+
+    def alone(self) -> dict[str, str]:
+        return {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": self.entry_point()}
+
+    def test_loads_alone_and_strict(self) -> None:
+        result = self._run(LOAD_ALONE, self.backend, CARDCAGE_STRICT_PLUGINS="1")
+        assert result.returncode == 0, result.stderr
+        found = json.loads(result.stdout)
+        assert found["plugin"] == self.entry_point(), found
+        assert found["distribution"], f"{self.backend} is registered by no distribution: {found}"
+
+    def test_names_and_aliases_are_its_own(self) -> None:
+        """With every installed plugin loaded strictly, its names all lead to it."""
+        from cardcage import plugins
+
+        result = self._run(LOAD_ALONE, self.backend, CARDCAGE_STRICT_PLUGINS="1", alone=False)
+        assert result.returncode == 0, f"loading every plugin strictly failed:\n{result.stderr}"
+        registry = plugins.registry({"CARDCAGE_PLUGINS_AUTOLOAD": "1"})
+        cls = registry.accelerators[self.backend].cls
+        for name in cls.names():
+            assert registry.canonical(name) == self.backend, (name, registry.canonical(name))
+
+    def test_select_and_availability_are_pure(self) -> None:
+        result = self._run(PURITY, self.backend)
+        assert result.returncode == 0, result.stderr
+        seen = json.loads(result.stdout)
+        before, after = seen["before"], seen["after"]
+        assert after["children"] == before["children"], f"select started a process: {seen}"
+        assert after["threads"] == before["threads"], f"select started a thread: {seen}"
+        assert after["sockets"] == before["sockets"], f"select opened a socket: {seen}"
+        assert not seen["cuda"], "select created a CUDA context"
+
+    @pytest.mark.parametrize("environment", sorted(ENVIRONMENTS))
+    def test_rule_matrix(self, environment: str) -> None:
+        """Named or not, in each environment: a Selection (JSON-safe, explained with this
+        backend's rules) or a MisconfigurationError that says what to do, nothing else."""
+        import cardcage
+        from cardcage import plugins
+
+        env = {**self.alone(), **ENVIRONMENTS[environment]}
+        cls = plugins.registry(env).accelerators[self.backend].cls
+        for flags in ({"distributed_backend": self.backend}, {}, {"num_nodes": 2}):
+            try:
+                selection = cardcage.select(env=env, **flags)
+            except cardcage.MisconfigurationError as error:
+                assert len(str(error)) > 20, f"{flags} in {environment}: a bare error: {error}"
+                continue
+            json.dumps(selection.as_dict())
+            text = selection.explain()
+            for rule in cls.rules:
+                assert (rule.name or "") in text, f"explain() does not list {rule}: {text}"
+            assert selection.world_size >= 1
+            assert 0 <= selection.global_rank < selection.world_size, selection.as_dict()
+
+    def _run(self, code: str, argument: str, alone: bool = True, **env: str) -> Any:
+        import os
+        import subprocess
+        import sys
+
+        extra = {**(self.alone() if alone else {}), **env}
+        return subprocess.run(
+            [sys.executable, "-c", code, argument],
+            env={**os.environ, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )

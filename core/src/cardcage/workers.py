@@ -1,0 +1,254 @@
+"""Workers that receive the pickled trainer and hand the trained state back.
+
+:class:`WorkerLauncher` is the one worker launcher of the core. In the calling process it
+pickles the trainer (naming the part of the job that cannot be pickled, before anything
+starts), has its subclass start N workers that each call :func:`run_worker`, and takes back
+what each node's local rank 0 left: the model's weights, the optimizers, schedulers, scaler
+and loop position (a whole checkpoint, so that ``save_checkpoint`` after ``fit`` in the
+caller writes the full state), the logged metrics and losses. Subclasses only say how N
+workers start: :class:`SpawnLauncher` (``torch.multiprocessing``'s spawn context, supervised
+here), horovod's (``horovod.run``) and tpu's (``xmp.spawn``).
+
+A worker leaves through :func:`leave`: results flushed, the process group destroyed, then
+``os._exit``, skipping the interpreter's teardown, where torch's C++ threads that are still
+joinable abort the process now and then ("terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+
+from cardcage.errors import MisconfigurationError
+from cardcage.failures import ERROR_FILE, write_error_file
+from cardcage.launchers import Launcher
+from cardcage.rendezvous import (
+    DEFAULT_ADDRESS,
+    HOSTED_STORE,
+    host_store,
+    hosted_store,
+    release_store,
+)
+from cardcage.supervisor import Child, Supervisor, set_parent_death_signal
+
+if TYPE_CHECKING:
+    from cardcage.trainer import Trainer
+
+#: The file each node's local rank 0 leaves its results in, inside the launcher's folder.
+RESULTS = "results.pt"
+
+
+class WorkerLauncher(Launcher):
+    """Pickle the trainer, start the workers (the subclass's part), take the results back."""
+
+    #: What else the user can do when the job cannot be pickled (ends the error message).
+    unpicklable_hint = "or use distributed_backend='ddp', which re-runs your script instead"
+
+    def launch(self, trainer: Trainer) -> Any:
+        payload = self.pickle(trainer)
+        folder = Path(tempfile.mkdtemp(prefix="cardcage-workers-"))
+        try:
+            self.start_workers(payload, folder)
+            results = torch.load(folder / RESULTS, weights_only=True)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # fit leaves no file behind
+        trainer.apply_results(results)
+        return None
+
+    @abc.abstractmethod
+    def start_workers(self, payload: bytes, folder: Path) -> None:
+        """Start this node's workers, each calling :func:`run_worker` (``payload``,
+        ``folder``), and return once all of them finished; raise
+        :class:`~cardcage.errors.RankFailedError` naming the first that failed.
+
+        Workers write their error files as ``folder/rank-<R>.txt``
+        (:data:`~cardcage.failures.ERROR_FILE`).
+        """
+
+    def pickle(self, trainer: Trainer) -> bytes:
+        """The trainer as bytes for the workers (plain pickle: tensors are copied)."""
+        return pickle_job(trainer, pickle.dumps, self.describe(trainer), self.unpicklable_hint)
+
+    def describe(self, trainer: Trainer) -> str:
+        """The setting that sends the job to workers, for error messages."""
+        return f"distributed_backend={self.accelerator.name!r}"
+
+
+def pickle_job(trainer: Trainer, dumps: Callable[[Any], bytes], setting: str, hint: str) -> bytes:
+    """``dumps(trainer)``; when that fails, a MisconfigurationError naming the part of the
+    job (the model, a dataloader) that cannot be pickled.
+
+    Plain pickle copies tensors; torch.multiprocessing's pickler would instead share their
+    memory between the workers, so that every rank's optimizer step would land on the same
+    weights.
+    """
+    try:
+        return dumps(trainer)
+    except Exception:
+        parts = {"model": trainer.model, "train_dataloader": trainer.train_dataloader}
+        parts.update({f"val_dataloaders[{i}]": v for i, v in enumerate(trainer.val_dataloaders)})
+        for label, value in parts.items():
+            try:
+                dumps(value)
+            except Exception as error:
+                raise MisconfigurationError(
+                    f"{setting} sends the {label} to its worker processes by pickling, but it "
+                    f"cannot be pickled ({type(error).__name__}: {error}). Make it picklable "
+                    f"(no lambdas or local classes), {hint}."
+                ) from None
+        raise
+
+
+def run_worker(
+    payload: bytes,
+    folder: str | os.PathLike[str],
+    before_fit: Callable[[Trainer], None] | None = None,
+) -> Trainer:
+    """In a worker: unpickle the trainer, train, and hand the state back.
+
+    Every rank gathers the results (a sharded backend runs its collectives there); each
+    node's local rank 0 writes them to ``folder/results.pt``.
+    """
+    trainer: Trainer = pickle.loads(payload)
+    trainer.attach()
+    if before_fit is not None:
+        before_fit(trainer)
+    trainer.run_fit_loop()
+    results = trainer.export_results()
+    if trainer.accelerator.local_rank == 0:
+        if results is None:
+            raise RuntimeError(
+                f"{type(trainer.accelerator).__name__}.gather_state returned None on local "
+                "rank 0, which hands the results back: return the full state there"
+            )
+        path = Path(folder) / RESULTS
+        with open(path.with_suffix(".tmp"), "wb") as stream:
+            torch.save(results, stream)
+        os.replace(path.with_suffix(".tmp"), path)
+    return trainer
+
+
+def leave(code: int, *, destroy: bool = True) -> NoReturn:
+    """End a worker: flush its streams, destroy the process group, ``os._exit(code)``."""
+    if destroy:
+        with contextlib.suppress(Exception):
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def fail(error: BaseException) -> NoReturn:
+    """A worker's failure: its traceback to the error file and stderr, then exit 1 at once.
+
+    The other ranks may be stuck in a collective with this one, so the process group is
+    not destroyed: the launcher stops them.
+    """
+    write_error_file(error)
+    traceback.print_exception(type(error), error, error.__traceback__)
+    leave(1, destroy=False)
+
+
+# -- torch.multiprocessing's spawn (ddp_spawn) --------------------------------------------------
+
+
+class SpawnLauncher(WorkerLauncher):
+    """``num_processes`` workers per node from the spawn start method, supervised here."""
+
+    def start_workers(self, payload: bytes, folder: Path) -> None:
+        import multiprocessing
+
+        selection = self.accelerator.selection
+        nprocs, num_nodes, node_rank = (
+            selection.num_processes,
+            selection.num_nodes,
+            selection.node_rank,
+        )
+        world_size = nprocs * num_nodes
+        master_port = selection.master_port
+        hosted = master_port is None
+        if hosted:
+            if num_nodes > 1:
+                raise MisconfigurationError(
+                    f"num_nodes={num_nodes} launched by hand needs MASTER_PORT (and MASTER_ADDR) "
+                    "set to the same values on every node."
+                )
+            master_port = int(host_store(world_size).port)
+        context = multiprocessing.get_context("spawn")
+        children = []
+        for local_rank in range(nprocs):
+            rank = node_rank * nprocs + local_rank
+            rank_env = {
+                "MASTER_ADDR": selection.master_address or DEFAULT_ADDRESS,
+                "MASTER_PORT": str(master_port),
+                "WORLD_SIZE": str(world_size),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "NODE_RANK": str(node_rank),
+                "GROUP_RANK": str(node_rank),
+                "LOCAL_WORLD_SIZE": str(nprocs),
+                ERROR_FILE: str(folder / f"rank-{rank}.txt"),
+            }
+            if hosted:
+                rank_env[HOSTED_STORE] = "1"
+            process = context.Process(
+                target=_spawned, args=(rank_env, payload, str(folder)), name=f"cardcage-rank-{rank}"
+            )
+            process.start()
+            children.append(
+                Child(rank, process.pid or 0, _exitcode(process), folder / f"rank-{rank}.txt")
+            )
+        supervisor = Supervisor(
+            children,
+            store=hosted_store() if hosted else None,
+            world_size=world_size if hosted else 0,
+        )
+
+        def wait() -> None:
+            while any(child.poll() is None for child in children):
+                time.sleep(0.02)
+
+        try:
+            supervisor.run(wait)
+            # Workers that failed while this process was leaving the wait are failures too
+            # (the watcher may have recorded one already).
+            failed = supervisor.failure or supervisor.first_failure()
+            if failed is not None:
+                raise failed.error()
+        finally:
+            release_store()
+
+
+def _exitcode(process: Any) -> Callable[[], int | None]:
+    def poll() -> int | None:
+        code: int | None = process.exitcode
+        return code
+
+    return poll
+
+
+def _spawned(rank_env: dict[str, str], payload: bytes, folder: str) -> NoReturn:
+    """A spawned worker: its rank variables, death with the launcher, training, exit."""
+    set_parent_death_signal()
+    os.environ.update(rank_env)
+    try:
+        run_worker(payload, folder)
+    except BaseException as error:
+        fail(error)
+    leave(0)

@@ -1,0 +1,30 @@
+"""cardcage-horovod against the conformance kit, on a real Horovod build: two workers it
+starts itself through Horovod's Gloo runner, and two started by horovodrun.
+
+The kit compares against a plain loop at the combined batch, so the learning rate is not
+multiplied by the number of processes here (CARDCAGE_HOROVOD_SCALE_LR=0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from cardcage.testing import BackendSuite, Launch
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("horovod") is None,
+    reason="Horovod is not installed (nox -s horovod builds it)",
+)
+KEEP_LR = {"CARDCAGE_HOROVOD_SCALE_LR": "0"}
+
+
+class TestHorovod(BackendSuite):
+    backend = "horovod"
+    launches = {
+        "gloo_runner": Launch(
+            {"distributed_backend": "horovod", "num_processes": 2}, world_size=2, env=KEEP_LR
+        ),
+        "horovodrun": Launch({}, world_size=2, command="horovodrun", env=KEEP_LR),
+    }
