@@ -1,6 +1,8 @@
 """The checks CI runs: `nox` runs every session, `nox -s cpu` one, `nox -l` lists them.
 
-- lint: ruff check and ruff format --check over the repository.
+- lint: ruff check and ruff format --check over the repository, and lint-imports: the
+  import contracts of the core (its layers; no import of a backend plugin), configured under
+  [tool.importlinter] in pyproject.toml.
 - typecheck: mypy (strict, configured in pyproject.toml) over core/.
 - core: core/tests and tests/ with the core and all eight backend plugins installed.
 - docs: the documentation site (mkdocs.yml, docs/) built with `mkdocs build --strict` into
@@ -83,10 +85,15 @@ def _install(session: nox.Session, *projects: str, tools: tuple[str, ...] = ()) 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the repository."""
-    session.install(TOOLS["ruff"])
+    """ruff check and ruff format --check over the repository; lint-imports over the core."""
+    session.install(TOOLS["ruff"], TOOLS["import-linter"])
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # The contracts ([tool.importlinter] in pyproject.toml) read the source, never import it:
+    # the core is found on PYTHONPATH, without installing it or torch.
+    session.run(
+        "lint-imports", "--no-cache", "--no-logo", env={"PYTHONPATH": str(ROOT / "core/src")}
+    )
 
 
 @nox.session

@@ -299,7 +299,8 @@ def test_rule_slots_in_before_the_cpu_fallback(sites: Sites) -> None:
 
 
 def test_rule_does_not_beat_the_single_gpu_rule(sites: Sites) -> None:
-    """With one GPU (torch.cuda patched, as DESIGN.md allows) gpu's 600 decides first."""
+    """With one GPU (torch.cuda patched, as docs/choosing-a-backend.md allows) gpu's 600 decides
+    first."""
     script = textwrap.dedent(
         """\
         import json

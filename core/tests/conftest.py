@@ -11,8 +11,9 @@ from cardcage import plugins
 
 
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> int:
-    # The two calls selection uses to count GPUs (DESIGN.md); nothing else is patched, so a
-    # code path that reaches for CUDA some other way shows up in a test.
+    # The two calls selection uses to count GPUs (docs/choosing-a-backend.md says so, and that
+    # tests may patch them); nothing else is patched, so a code path that reaches for CUDA some
+    # other way shows up in a test.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     return count

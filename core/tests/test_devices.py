@@ -269,7 +269,7 @@ def test_auto_select_without_nvml_probes_the_gpus_when_training_starts(
     import cardcage
     from cardcage import devices
 
-    monkeypatch.setattr(devices, "_nvml_free_memory", lambda: None)
+    monkeypatch.setattr(devices, "nvml_free_memory", lambda: None)
     busy = {0, 2}  # exclusive-mode GPUs taken by another job
     probed: list[int] = []
 
@@ -277,6 +277,8 @@ def test_auto_select_without_nvml_probes_the_gpus_when_training_starts(
         probed.append(device)
         return device not in busy
 
+    monkeypatch.setattr(devices, "probe_gpu", probe)
+    # trainer.py still calls the old private name; drop this line when it calls probe_gpu
     monkeypatch.setattr(devices, "_probe", probe)
     monkeypatch.setenv("CARDCAGE_GPUS", "")  # recorded, so the variable fit() sets is undone
     monkeypatch.delenv("CARDCAGE_GPUS")

@@ -41,7 +41,8 @@ def plugin_module(
 
 
 class FooAccelerator(Accelerator):
-    """DESIGN.md's example backend: claims the job on a Foo cluster, between 500 and 600."""
+    """The example backend of docs/plugins.md ("A complete plugin"): claims the job on a Foo
+    cluster, between 500 and 600."""
 
     name = "foo"
     aliases = ("foo_alias",)

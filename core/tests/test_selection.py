@@ -62,7 +62,7 @@ def make_available(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     monkeypatch.setattr(cls, "availability", classmethod(lambda cls, ctx: Availability(True)))
 
 
-# --- the rule table (DESIGN.md, "Selection semantics" 3) ---------------------------------
+# --- the rule table (docs/choosing-a-backend.md, "The decision in two steps") ------------
 
 
 def test_1000_cpu_when_nothing_else_claims(cuda_count_0: int) -> None:
@@ -299,7 +299,7 @@ def test_as_dict_is_json_and_holds_every_field(
     assert [t["rule"] for t in data["trace"]] == [e.rule for e in selection.trace]
 
 
-# --- a named distributed_backend (DESIGN.md, "Selection semantics" 1) ----------------------
+# --- a named distributed_backend (docs/choosing-a-backend.md, "Naming a backend") ---------
 
 
 @pytest.mark.parametrize("backend", ["ddp", "ddp_spawn"])

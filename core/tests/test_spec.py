@@ -1,4 +1,7 @@
-"""Every hook a plugin may implement is typed and documented (DESIGN.md: tox's spec.py)."""
+"""Every hook a plugin may implement is typed and documented, as in tox's spec.py.
+
+The hook reference of the docs (reference/hooks.md) is generated from those docstrings.
+"""
 
 from __future__ import annotations
 

@@ -173,7 +173,7 @@ def parse_tpu_cores(tpu_cores: TpuCoresFlag) -> int | list[int] | None:
     )
 
 
-def _nvml_free_memory() -> list[int] | None:
+def nvml_free_memory() -> list[int] | None:
     """Free bytes per GPU through NVML, or ``None`` when NVML is absent; creates no context."""
     try:
         import pynvml  # type: ignore[import-not-found,unused-ignore]
@@ -194,7 +194,7 @@ def _nvml_free_memory() -> list[int] | None:
         return None
 
 
-def _probe(device: int) -> bool:
+def probe_gpu(device: int) -> bool:
     """The seed's test: can a small tensor be allocated on ``device``?"""
     import torch
 
@@ -205,11 +205,16 @@ def _probe(device: int) -> bool:
     return True
 
 
+# The old private name, still used by cardcage.trainer (Trainer._probe_auto_selected_gpus);
+# remove it once trainer.py calls devices.probe_gpu.
+_probe = probe_gpu
+
+
 def pick_multiple_gpus(
     count: int,
     *,
-    free_memory: Callable[[], list[int] | None] = _nvml_free_memory,
-    probe: Callable[[int], bool] = _probe,
+    free_memory: Callable[[], list[int] | None] = nvml_free_memory,
+    probe: Callable[[int], bool] = probe_gpu,
     device_count: int | None = None,
     attempts: int = 3,
     sleep: Callable[[float], None] = time.sleep,

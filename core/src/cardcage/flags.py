@@ -17,7 +17,10 @@ GPUS_OVERRIDES = ("CARDCAGE_GPUS", "PL_TRAINER_GPUS")
 
 @dataclass(frozen=True)
 class Flags:
-    """The Trainer flags that decide where and how training runs (DESIGN.md's list)."""
+    """The Trainer flags that decide where and how training runs.
+
+    Their meanings: the table under "Flags" in docs/choosing-a-backend.md.
+    """
 
     gpus: Any = None
     tpu_cores: Any = None

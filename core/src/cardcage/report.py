@@ -13,7 +13,8 @@ from typing import Any
 from cardcage import devices, plugins
 from cardcage.environments import LocalEnvironment, detect_cluster
 from cardcage.flags import Flags
-from cardcage.selection import SelectionContext, _availability
+from cardcage.rules import check_availability
+from cardcage.selection import SelectionContext
 
 
 def listing_context(env: Mapping[str, str]) -> SelectionContext:
@@ -41,7 +42,7 @@ def backend_rows(env: Mapping[str, str]) -> tuple[list[dict[str, Any]], list[dic
     rows = []
     for name in sorted(registry.accelerators):
         reg = registry.accelerators[name]
-        availability = _availability(reg.cls, ctx)
+        availability = check_availability(reg.cls, ctx)
         rows.append(
             {
                 "name": name,

@@ -9,6 +9,9 @@ opens no port and creates no CUDA context.
    cluster that made the processes runs as ``ddp``); only then is availability checked.
 2. Otherwise every rule of every backend is evaluated in ascending order (ties: backend
    name); the first rule that claims the job and whose backend is available decides.
+
+Both steps are :mod:`cardcage.rules`'s; ``SelectionContext`` and ``TraceEntry`` live there
+and are public here.
 """
 
 from __future__ import annotations
@@ -20,47 +23,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cardcage import devices, plugins
-from cardcage.accelerator import Accelerator, Availability
+from cardcage.accelerator import Accelerator
 from cardcage.environments import ClusterEnvironment, LocalEnvironment, detect_cluster
 from cardcage.errors import MisconfigurationError
-from cardcage.flags import Flags, did_you_mean, gpus_override, validate_flags
+from cardcage.flags import Flags, gpus_override, validate_flags
+from cardcage.rules import (
+    SelectionContext,
+    TraceEntry,
+    lookup_backend,
+    no_tpu_backend,
+    not_evaluated,
+    resolve_named,
+    run_rules,
+)
 
-MAX_REDIRECTS = 4
-
-
-@dataclass(frozen=True)
-class SelectionContext:
-    """What rules, ``availability`` and ``resolve`` see about the job being placed."""
-
-    env: Mapping[str, str]
-    flags: Flags
-    gpu_ids: list[int] | None
-    num_gpus: int
-    tpu_cores: int | list[int] | None
-    num_processes: int
-    num_nodes: int
-    cluster: ClusterEnvironment
-    requested: str | None
-    requested_as: str | None = None
-    cuda_available: bool = False
-    device_count: int = 0
-
-    @property
-    def processes_created_outside(self) -> bool:
-        """Whether a launcher or scheduler already started several processes for this job."""
-        return self.cluster.creates_processes and self.cluster.world_size() > 1
-
-
-@dataclass(frozen=True)
-class TraceEntry:
-    """One rule's part in a decision."""
-
-    order: int
-    rule: str
-    accelerator: str
-    why: str
-    outcome: str  # claimed | not claimed | unavailable | failed | not evaluated
-    detail: str = ""
+__all__ = ["Selection", "SelectionContext", "TraceEntry", "select"]
 
 
 @dataclass(frozen=True)
@@ -155,35 +132,6 @@ class Selection:
         return "\n".join(lines)
 
 
-def _availability(cls: type[Accelerator], ctx: SelectionContext) -> Availability:
-    try:
-        return cls.availability(ctx)
-    except MisconfigurationError:
-        raise
-    except Exception as error:  # a broken check must not take selection down
-        return Availability(False, f"availability check raised {type(error).__name__}: {error}")
-
-
-def _unknown_backend(name: str, registry: plugins.Registry) -> MisconfigurationError:
-    if name in plugins.KNOWN_BACKENDS:
-        return MisconfigurationError(
-            f"distributed_backend={name!r} is a cardcage backend whose plugin is not "
-            f"installed (or was disabled). Install it with `{plugins.install_command(name)}`, "
-            "or pick an installed backend: " + ", ".join(registry.names()) + "."
-        )
-    return MisconfigurationError(
-        f"distributed_backend={name!r} is not an installed backend."
-        f"{did_you_mean(name, registry.names())} Installed: {', '.join(registry.names())}."
-    )
-
-
-def _lookup(registry: plugins.Registry, name: str) -> type[Accelerator]:
-    canonical = registry.canonical(name)
-    if canonical is None:
-        raise _unknown_backend(name, registry)
-    return registry.accelerators[canonical].cls
-
-
 def select(
     *, env: Mapping[str, str] | None = None, device_count: int | None = None, **flags: Any
 ) -> Selection:
@@ -205,7 +153,7 @@ def select(
     warnings: list[str] = []
 
     requested_as = checked.distributed_backend
-    requested_cls = _lookup(registry, requested_as) if requested_as else None
+    requested_cls = lookup_backend(registry, requested_as) if requested_as else None
 
     gpus: Any = checked.gpus
     override = gpus_override(environ)
@@ -249,15 +197,12 @@ def select(
     ctx = replace(ctx, cluster=cluster)
 
     if requested_cls is not None:
-        chosen, ctx, rule, why = _resolve_named(requested_cls, ctx, registry, warnings)
-        trace = tuple(
-            TraceEntry(r.order, _rule_name(r, reg.cls), reg.cls.name, r.why, "not evaluated")
-            for r, reg in registry.ordered_rules()
-        )
+        chosen, ctx, rule, why = resolve_named(requested_cls, ctx, registry, warnings)
+        trace = not_evaluated(registry)
     else:
-        chosen, rule, why, trace = _run_rules(ctx, registry, warnings)
+        chosen, rule, why, trace = run_rules(ctx, registry, warnings)
         if tpu_cores is not None and not chosen.uses_tpu_cores:
-            raise _no_tpu_backend(checked.tpu_cores, trace, registry)
+            raise no_tpu_backend(checked.tpu_cores, trace, registry)
 
     outside = cluster.creates_processes
     # a launcher that started the processes knows how many it put on this node
@@ -308,138 +253,13 @@ def select(
     )
 
 
-def _no_tpu_backend(
-    value: object, trace: tuple[TraceEntry, ...], registry: plugins.Registry
-) -> MisconfigurationError:
-    """``tpu_cores`` was set but no backend that trains on TPU cores can run here.
-
-    The seed forced its TPU backend whenever ``tpu_cores`` was set and failed without torch-xla;
-    quietly training on the CPU instead would hide the mistake for a whole run.
-    """
-    serving = {name for name, reg in registry.accelerators.items() if reg.cls.uses_tpu_cores}
-    reasons = [
-        f"{entry.accelerator}: {entry.detail}"
-        for entry in trace
-        if entry.accelerator in serving and entry.outcome == "unavailable"
-    ]
-    if reasons:
-        why = "no backend that trains on TPU cores can run here (" + "; ".join(reasons) + ")"
-        fix = "Run it where torch-xla and a TPU are, or unset tpu_cores to train elsewhere."
-    elif serving:
-        why = f"none of {sorted(serving)} claimed the job"
-        fix = "Name one with distributed_backend, or unset tpu_cores."
-    else:
-        why = "no installed backend trains on TPU cores"
-        fix = f"Install one with `{plugins.install_command('tpu')}`, or unset tpu_cores."
-    return MisconfigurationError(f"tpu_cores={value!r} is set, but {why}. {fix}")
-
-
 def _auto_select(gpus: int, device_count: int) -> tuple[list[int] | None, bool]:
     """GPUs for ``auto_select_gpus``: ranked through NVML now, else probed at training start."""
     if gpus == 0:
         devices.pick_multiple_gpus(0, device_count=device_count)  # raises with the message
-    free = devices._nvml_free_memory()
+    free = devices.nvml_free_memory()
     if free is not None:
         return devices.pick_multiple_gpus(
             gpus, free_memory=lambda: free, device_count=device_count
         ), False
     return devices.parse_gpu_ids(gpus, device_count), True
-
-
-def _rule_name(rule: Any, cls: type[Accelerator]) -> str:
-    return str(rule.name or f"{cls.name}.{rule.order}")
-
-
-def _resolve_named(
-    cls: type[Accelerator],
-    ctx: SelectionContext,
-    registry: plugins.Registry,
-    warnings: list[str],
-) -> tuple[type[Accelerator], SelectionContext, str, str]:
-    seen = [cls.name]
-    named = ctx.requested_as or cls.name
-    current = cls
-    while True:
-        resolution = current.resolve(ctx)
-        if resolution.warning:
-            warnings.append(resolution.warning)
-        if resolution.drop_gpus:
-            ctx = replace(ctx, gpu_ids=None, num_gpus=0)
-        if resolution.accelerator == current.name:
-            break
-        if resolution.accelerator in seen or len(seen) > MAX_REDIRECTS:
-            raise MisconfigurationError(
-                f"distributed_backend={named!r}: backends hand the job to each "
-                f"other in a loop ({' -> '.join([*seen, resolution.accelerator])}). Report "
-                "this to the plugins' authors."
-            )
-        seen.append(resolution.accelerator)
-        if registry.canonical(resolution.accelerator) is None:
-            reason = f" ({resolution.warning})" if resolution.warning else ""
-            raise MisconfigurationError(
-                f"distributed_backend={named!r} hands the job to the "
-                f"{resolution.accelerator!r} backend here{reason}, but that backend's plugin "
-                f"is not installed (or was disabled). Install it with "
-                f"`{plugins.install_command(resolution.accelerator)}`, or change the flags."
-            )
-        current = _lookup(registry, resolution.accelerator)
-        # Only the named backend's own checks apply on the first hop; the next one resolves
-        # as if it had been named itself.
-        ctx = replace(ctx, requested=current.name, requested_as=current.name)
-    availability = _availability(current, ctx)
-    if not availability:
-        # a hint may start with a command (``pip install ...``): joined, not capitalised
-        hint = f"; {availability.hint.strip().rstrip('.')}" if availability.hint else ""
-        raise MisconfigurationError(
-            f"distributed_backend={named!r} selects {current.name!r}, which is "
-            f"not available here: {availability.reason}{hint}."
-        )
-    ctx = replace(ctx, requested=cls.name, requested_as=ctx.requested_as)
-    why = f"distributed_backend={named!r} was named"
-    if named.lower() != cls.name:
-        why += f" (an alias of {cls.name!r})"
-    if len(seen) > 1:
-        why += f" and runs as {current.name!r}"
-    return current, ctx, "distributed_backend", why
-
-
-def _run_rules(
-    ctx: SelectionContext, registry: plugins.Registry, warnings: list[str]
-) -> tuple[type[Accelerator], str, str, tuple[TraceEntry, ...]]:
-    trace: list[TraceEntry] = []
-    chosen: tuple[type[Accelerator], str, str] | None = None
-    for rule, reg in registry.ordered_rules():
-        cls = reg.cls
-        name = _rule_name(rule, cls)
-        if chosen is not None:
-            trace.append(TraceEntry(rule.order, name, cls.name, rule.why, "not evaluated"))
-            continue
-        try:
-            claims = bool(rule.when(ctx))
-        except MisconfigurationError:
-            raise
-        except Exception as error:
-            detail = f"rule raised {type(error).__name__}: {error}"
-            trace.append(TraceEntry(rule.order, name, cls.name, rule.why, "failed", detail))
-            warnings.append(f"rule {name} of plugin {reg.plugin} failed and was skipped: {error}")
-            continue
-        if not claims:
-            trace.append(TraceEntry(rule.order, name, cls.name, rule.why, "not claimed"))
-            continue
-        availability = _availability(cls, ctx)
-        if not availability:
-            trace.append(
-                TraceEntry(rule.order, name, cls.name, rule.why, "unavailable", availability.reason)
-            )
-            continue
-        trace.append(TraceEntry(rule.order, name, cls.name, rule.why, "claimed"))
-        if rule.warning:
-            warnings.append(rule.warning)
-        chosen = (cls, name, rule.why)
-    if chosen is None:
-        raise MisconfigurationError(
-            "no installed backend claims this job (is cardcage-cpu installed and enabled?). "
-            f"Install it with `{plugins.install_command('cpu')}`, or name a backend with "
-            "distributed_backend."
-        )
-    return chosen[0], chosen[1], chosen[2], tuple(trace)
