@@ -37,11 +37,9 @@ def child_env(site: Path, **extra: str) -> dict[str, str]:
     return plugin_install.child_env([site], STEERING_PREFIXES, STEERING_NAMES, **extra)
 
 
-@pytest.fixture(scope="module")
-def acme(tmp_path_factory: pytest.TempPathFactory) -> Generated:
-    root = tmp_path_factory.mktemp("new_plugin")
+def generate(root: Path, *options: str) -> Generated:
     site = root / "site"
-    result = run(["-m", "cardcage", "new-plugin", "acme"], root, child_env(site))
+    result = run(["-m", "cardcage", "new-plugin", "acme", *options], root, child_env(site))
     project = root / "cardcage-acme"
     assert result.stdout.startswith("created cardcage-acme in cardcage-acme: pyproject.toml")
     pip_install(site, [project], "the generated plugin")
@@ -49,6 +47,29 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Generated:
     assert "acme = cardcage_acme" in (info / "entry_points.txt").read_text()
     assert (site / "cardcage_acme.py").read_text() == (project / "cardcage_acme.py").read_text()
     return Generated(root, project, site)
+
+
+@pytest.fixture(scope="module")
+def acme(tmp_path_factory: pytest.TempPathFactory) -> Generated:
+    return generate(tmp_path_factory.mktemp("new_plugin"))
+
+
+@pytest.fixture(scope="module")
+def acme_distributed(tmp_path_factory: pytest.TempPathFactory) -> Generated:
+    return generate(tmp_path_factory.mktemp("new_plugin_distributed"), "--distributed")
+
+
+def own_tests(generated: Generated) -> str:
+    """Run the generated project's tests (the conformance kit's included); their summary."""
+    result = run(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"],
+        generated.project,
+        child_env(generated.site),
+        timeout=1200,
+    )
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "failed" not in summary and "error" not in summary, describe(result)
+    return result.stdout
 
 
 def cardcage_json(acme: Generated, *args: str, **env: str) -> Any:
@@ -94,11 +115,23 @@ def test_cardcage_explain_selects_it_by_name_and_by_its_rule(acme: Generated) ->
     assert text.splitlines()[0] == "selected 'acme' by acme: ACME=1 is set"
 
 
-def test_its_own_tests_pass_unchanged(acme: Generated) -> None:
-    result = run(
-        ["-m", "pytest", "-q", "-p", "no:cacheprovider"], acme.project, child_env(acme.site)
-    )
-    assert "6 passed" in result.stdout, describe(result)
+def test_its_own_tests_pass_unchanged_the_conformance_kit_included(acme: Generated) -> None:
+    output = own_tests(acme)
+    # 6 of its own, and the kit's (one launch, in this process: no failing rank to stop).
+    assert "26 passed, 1 skipped" in output, output
+
+
+def test_the_distributed_template_is_listed_selected_and_passes_the_kit(
+    acme_distributed: Generated,
+) -> None:
+    listing = cardcage_json(acme_distributed, "plugins")
+    rows = {row["name"]: row for row in listing["backends"]}
+    assert (rows["acme"]["distribution"], rows["acme"]["available"]) == ("cardcage-acme", True)
+    ruled = cardcage_json(acme_distributed, "explain", "--num-processes", "2", ACME="1")
+    assert (ruled["accelerator"], ruled["rule"], ruled["world_size"]) == ("acme", "acme", 2)
+    output = own_tests(acme_distributed)
+    # 4 of its own and the kit's, with two processes started by script relaunch.
+    assert "25 passed" in output and "skipped" not in output, output
 
 
 TRAIN = textwrap.dedent(

@@ -25,8 +25,8 @@ from cardcage.launchers import InProcessLauncher, Launcher
 from cardcage.strategy import Strategy, move_to
 
 if TYPE_CHECKING:
-    from cardcage.selection import Selection, SelectionContext
-    from cardcage.trainer import Trainer
+    from cardcage.decision import Selection, SelectionContext
+    from cardcage.protocol import TrainerProtocol as Trainer
 
 __all__ = [
     "Accelerator",

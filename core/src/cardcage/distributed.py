@@ -27,7 +27,7 @@ from cardcage.wrappers import StepRunner
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from cardcage.trainer import Trainer
+    from cardcage.protocol import TrainerProtocol as Trainer
 
 __all__ = ["DistributedAccelerator", "cpu_threads_per_process", "distributed_loader"]
 

@@ -23,14 +23,14 @@ from cardcage.failures import write_error_file
 from cardcage.rendezvous import DEFAULT_ADDRESS
 
 if TYPE_CHECKING:
-    from cardcage.accelerator import Accelerator
-    from cardcage.trainer import Trainer
+    from cardcage.protocol import TrainerProtocol as Trainer
+    from cardcage.strategy import Strategy
 
 
 class Launcher(abc.ABC):
     """Creates the training processes of one ``fit`` and runs the loop in each."""
 
-    def __init__(self, accelerator: Accelerator):
+    def __init__(self, accelerator: Strategy):
         self.accelerator = accelerator
 
     @abc.abstractmethod

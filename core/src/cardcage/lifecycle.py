@@ -13,7 +13,7 @@ from cardcage.spec import hookimpl
 
 if TYPE_CHECKING:
     from cardcage.accelerator import Accelerator
-    from cardcage.trainer import Trainer
+    from cardcage.protocol import TrainerProtocol as Trainer
 
 
 @hookimpl(trylast=True)

@@ -24,7 +24,7 @@ from cardcage.contract import extract_loss, mean_metrics, metrics_of
 
 if TYPE_CHECKING:
     from cardcage.strategy import Strategy
-    from cardcage.trainer import Trainer
+    from cardcage.protocol import TrainerProtocol as Trainer
 
 
 LOSS_CHUNK = 64

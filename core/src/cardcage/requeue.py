@@ -52,9 +52,9 @@ from typing import TYPE_CHECKING, Any
 from cardcage import checkpoint
 
 if TYPE_CHECKING:
-    from cardcage.environments import ClusterEnvironment
-    from cardcage.selection import Selection
-    from cardcage.trainer import Trainer
+    from cardcage.cluster import ClusterEnvironment
+    from cardcage.decision import Selection
+    from cardcage.protocol import TrainerProtocol as Trainer
 
 log = logging.getLogger("cardcage")
 

@@ -9,52 +9,16 @@ and ``cardcage.selection.TraceEntry`` (and ``cardcage.SelectionContext``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from cardcage import plugins
 from cardcage.accelerator import Accelerator, Availability
-from cardcage.cluster import ClusterEnvironment
+from cardcage.decision import SelectionContext, TraceEntry
 from cardcage.errors import MisconfigurationError
-from cardcage.flags import Flags, did_you_mean
+from cardcage.flags import did_you_mean
 
 MAX_REDIRECTS = 4
-
-
-@dataclass(frozen=True)
-class SelectionContext:
-    """What rules, ``availability`` and ``resolve`` see about the job being placed."""
-
-    env: Mapping[str, str]
-    flags: Flags
-    gpu_ids: list[int] | None
-    num_gpus: int
-    tpu_cores: int | list[int] | None
-    num_processes: int
-    num_nodes: int
-    cluster: ClusterEnvironment
-    requested: str | None
-    requested_as: str | None = None
-    cuda_available: bool = False
-    device_count: int = 0
-
-    @property
-    def processes_created_outside(self) -> bool:
-        """Whether a launcher or scheduler already started several processes for this job."""
-        return self.cluster.creates_processes and self.cluster.world_size() > 1
-
-
-@dataclass(frozen=True)
-class TraceEntry:
-    """One rule's part in a decision."""
-
-    order: int
-    rule: str
-    accelerator: str
-    why: str
-    outcome: str  # claimed | not claimed | unavailable | failed | not evaluated
-    detail: str = ""
 
 
 def check_availability(cls: type[Accelerator], ctx: SelectionContext) -> Availability:

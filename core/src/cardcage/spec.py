@@ -17,8 +17,8 @@ import pluggy
 
 if TYPE_CHECKING:
     from cardcage.accelerator import Accelerator
-    from cardcage.environments import ClusterEnvironment
-    from cardcage.trainer import Trainer
+    from cardcage.cluster import ClusterEnvironment
+    from cardcage.protocol import TrainerProtocol as Trainer
 
 NAME = "cardcage"
 _spec = pluggy.HookspecMarker(NAME)

@@ -23,8 +23,8 @@ from cardcage.precision import Precision
 from cardcage.samplers import distributed_loader
 
 if TYPE_CHECKING:
-    from cardcage.selection import Selection
-    from cardcage.trainer import Trainer
+    from cardcage.decision import Selection
+    from cardcage.protocol import TrainerProtocol as Trainer
 
 T = TypeVar("T")
 

@@ -44,7 +44,7 @@ from cardcage.rendezvous import (
 from cardcage.supervisor import Child, Supervisor, set_parent_death_signal
 
 if TYPE_CHECKING:
-    from cardcage.trainer import Trainer
+    from cardcage.protocol import TrainerProtocol as Trainer
 
 #: The file each node's local rank 0 leaves its results in, inside the launcher's folder.
 RESULTS = "results.pt"
@@ -83,7 +83,7 @@ class WorkerLauncher(Launcher):
 
     def describe(self, trainer: Trainer) -> str:
         """The setting that sends the job to workers, for error messages."""
-        return f"distributed_backend={self.accelerator.name!r}"
+        return f"distributed_backend={self.accelerator.selection.accelerator!r}"
 
 
 def pickle_job(trainer: Trainer, dumps: Callable[[Any], bytes], setting: str, hint: str) -> bytes:
