@@ -3,15 +3,17 @@
 - lint: ruff check and ruff format --check over the repository, and lint-imports: the
   import contracts of the core (its layers; no import of a backend plugin), configured under
   [tool.importlinter] in pyproject.toml.
-- typecheck: mypy (strict, configured in pyproject.toml) over core/.
-- core: core/tests and tests/ with the core and all eight backend plugins installed.
+- typecheck: mypy (strict, configured in pyproject.toml) over core/ and extensions/submit/.
+- core: core/tests, tests/ and extensions/submit/tests with the core, all eight backend
+  plugins and the extension cardcage-submit (`cardcage submit`, on submitit) installed.
 - docs: the documentation site (mkdocs.yml, docs/) built with `mkdocs build --strict` into
   .nox/docs/tmp/site: any warning fails it, a broken link or anchor included, and so does a
   hook of core/src/cardcage/spec.py without a docstring (the hook reference is generated
   from them). It installs the `docs` extra of pyproject.toml and pluggy, not torch.
 - slurm: tests/slurm on a private two-node SLURM cluster on this machine (the core with the
-  cpu, ddp and spawn plugins). As root it installs the Debian packages slurmctld, slurmd,
-  slurm-client and munge when missing; elsewhere the tests skip with the reason.
+  cpu, ddp and spawn plugins and cardcage-submit). As root it installs the Debian packages
+  slurmctld, slurmd, slurm-client and munge when missing; elsewhere the tests skip with the
+  reason.
 - cpu, gpu, dp, ddp, ddp2, spawn, horovod, tpu (tag `backends`): one session per backend, with
   the core and that one plugin installed and no other, so a plugin can never lean on another
   one by accident; it runs plugins/<name>/tests.
@@ -67,8 +69,8 @@ TORCH = _torch_pin()
 # The tools (pytest, ruff, mypy, ...) as the `dev` extra of pyproject.toml pins them.
 DEV_EXTRA = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
 TOOLS = {Requirement(spec).name: spec for spec in DEV_EXTRA["dev"]}
-# submitit, which cardcage.submit (`cardcage submit`) builds on: the `submit` extra.
-SUBMIT = tuple(DEV_EXTRA["submit"])
+# The extension behind `cardcage submit` / `cardcage jobs` (it brings submitit along).
+SUBMIT_EXTENSION = "./extensions/submit"
 # Every project here builds with hatchling. Installed once per session (with `editables`, which
 # hatchling's editable wheels need), it spares pip a throwaway build environment per editable
 # project: measured, 30 s of CPU down to 5 s for the core session's nine projects.
@@ -98,17 +100,19 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over core/src/cardcage, with the core's dependencies installed."""
-    _install(session, tools=(TOOLS["mypy"], *SUBMIT))
+    """mypy --strict over core/src/cardcage and extensions/submit, with their dependencies."""
+    _install(session, SUBMIT_EXTENSION, tools=(TOOLS["mypy"],))
     session.run("mypy", *session.posargs)
 
 
 @nox.session
 def core(session: nox.Session) -> None:
-    """core/tests and tests/, with the core and every backend plugin installed."""
+    """core/tests, tests/, extensions/submit/tests: the core, every backend, cardcage-submit."""
     plugins = (f"./plugins/{name}" for name in BACKENDS)
-    _install(session, *plugins, tools=(TOOLS["pytest"], *SUBMIT))
-    session.run("pytest", "core/tests", "tests", *session.posargs)
+    _install(session, *plugins, SUBMIT_EXTENSION, tools=(TOOLS["pytest"],))
+    # The extension must load and register its commands; a failure is an error here.
+    session.run("cardcage", "plugins", env={"CARDCAGE_STRICT_PLUGINS": "1"}, silent=True)
+    session.run("pytest", "core/tests", "tests", "extensions/submit/tests", *session.posargs)
 
 
 @nox.session
@@ -137,7 +141,7 @@ def slurm(session: nox.Session) -> None:
     """tests/slurm: srun, sbatch, requeue and `cardcage submit` grids on a private SLURM
     cluster the tests start."""
     plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn")
-    _install(session, *plugins, tools=(TOOLS["pytest"], *SUBMIT))
+    _install(session, *plugins, SUBMIT_EXTENSION, tools=(TOOLS["pytest"],))
     session.run("pytest", "tests/slurm", *session.posargs, env={"CARDCAGE_SLURM_TESTS": "1"})
 
 

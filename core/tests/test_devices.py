@@ -278,8 +278,6 @@ def test_auto_select_without_nvml_probes_the_gpus_when_training_starts(
         return device not in busy
 
     monkeypatch.setattr(devices, "probe_gpu", probe)
-    # trainer.py still calls the old private name; drop this line when it calls probe_gpu
-    monkeypatch.setattr(devices, "_probe", probe)
     monkeypatch.setenv("CARDCAGE_GPUS", "")  # recorded, so the variable fit() sets is undone
     monkeypatch.delenv("CARDCAGE_GPUS")
     trainer = cardcage.Trainer(gpus=2, auto_select_gpus=True, distributed_backend="dp")

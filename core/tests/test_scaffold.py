@@ -30,7 +30,7 @@ def test_it_writes_a_complete_distribution(tmp_path: Path) -> None:
     names, folder, files = scaffold.new_plugin("acme", tmp_path / "out", order=650)
     assert folder == tmp_path / "out"
     expected = ["pyproject.toml", "cardcage_acme.py", "README.md", "noxfile.py"]
-    assert files == [*expected, "tests/test_acme.py"]
+    assert files == [*expected, "tests/test_acme.py", "tests/test_conformance.py"]
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == sorted(
         files
     )
@@ -50,6 +50,9 @@ def test_it_writes_a_complete_distribution(tmp_path: Path) -> None:
     assert 'NAME = "acme"' in module and 'SWITCH = "ACME"' in module
     assert "order=650," in module
     ast.parse((folder / "tests/test_acme.py").read_text())
+    conformance = (folder / "tests/test_conformance.py").read_text()
+    ast.parse(conformance)
+    assert '"in_process": Launch({"distributed_backend": NAME})' in conformance
     ast.parse((folder / "noxfile.py").read_text())
     readme = (folder / "README.md").read_text()
     assert readme.startswith("# cardcage-acme\n")
@@ -141,3 +144,17 @@ def test_the_command_exits_2_with_the_message(
     assert cli.main(["new-plugin", "acme"]) == 2
     err = capsys.readouterr().err
     assert "the directory 'cardcage-acme' (the default of --directory) already exists" in err
+
+
+def test_distributed_writes_a_backend_of_one_rank_per_process(tmp_path: Path) -> None:
+    _, folder, files = scaffold.new_plugin("acme", tmp_path / "out", distributed=True)
+    module = (folder / "cardcage_acme.py").read_text()
+    ast.parse(module)
+    assert "class AcmeAccelerator(DistributedAccelerator):" in module
+    assert "launcher = ScriptLauncher" in module
+    assert "from cardcage.sdk import (" in module and "from cardcage." not in module.replace(
+        "from cardcage.sdk", ""
+    )
+    conformance = (folder / "tests/test_conformance.py").read_text()
+    assert '"num_processes": 2}, world_size=2)' in conformance
+    assert "tests/test_acme.py" in files

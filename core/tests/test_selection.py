@@ -649,7 +649,7 @@ def test_processes_per_node_come_from_the_launcher_that_started_them(cuda_count_
 
 
 def test_device_count_plans_for_another_machine(cuda_count_0: int) -> None:
-    # a login node without GPUs planning a job for nodes with 8 (cardcage.submit does this)
+    # a login node without GPUs planning a job for nodes with 8 (cardcage-submit does this)
     selection = select(env={}, device_count=8, gpus=8)
     assert (selection.accelerator, selection.num_processes) == ("ddp_spawn", 8)
     assert select(env={}).accelerator == "cpu"  # this machine's count is read again after

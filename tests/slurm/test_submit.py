@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from cardcage.submit import MANIFEST, POINT_FILE, RESULT_FILE, Grid, SlurmJob
+from cardcage_submit import MANIFEST, POINT_FILE, RESULT_FILE, Grid, SlurmJob
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

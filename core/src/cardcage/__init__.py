@@ -7,6 +7,7 @@ selection engine; every backend is a plugin found through the entry-point group
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from cardcage._version import __version__
@@ -17,8 +18,10 @@ from cardcage.spec import hookimpl
 from cardcage.trainer import Trainer
 
 if TYPE_CHECKING:
-    from cardcage.submit import SlurmJob
+    from cardcage_submit import SlurmJob as SlurmJob
 
+# cardcage.SlurmJob is not listed: it exists only with the extension cardcage-submit, and
+# `from cardcage import *` must work without it.
 __all__ = [
     "Accelerator",
     "Availability",
@@ -28,7 +31,6 @@ __all__ = [
     "Rule",
     "Selection",
     "SelectionContext",
-    "SlurmJob",
     "Trainer",
     "__version__",
     "hookimpl",
@@ -37,10 +39,20 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # cardcage.SlurmJob loads the submission package (and its CLI) on first use only: most
-    # programs that import cardcage never submit a job.
+    # cardcage.SlurmJob comes from the extension cardcage-submit (`pip install
+    # 'cardcage[submit]'`), loaded on first use only: most programs that import cardcage never
+    # submit a job.
     if name == "SlurmJob":
-        from cardcage.submit import SlurmJob
-
+        try:
+            from cardcage_submit import SlurmJob
+        except ModuleNotFoundError as error:
+            if error.name != "cardcage_submit":
+                raise  # cardcage-submit is there but broken: its own error says more
+            raise AttributeError(
+                "cardcage.SlurmJob needs cardcage-submit, which is not installed: "
+                "pip install 'cardcage[submit]'",
+                name=name,
+                obj=sys.modules[__name__],
+            ) from None
         return SlurmJob
     raise AttributeError(f"module 'cardcage' has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""The ``cardcage`` command: ``plugins``, ``explain``, ``env``, ``demo``, ``new-plugin``,
-``submit`` and ``jobs``.
+"""The ``cardcage`` command: ``plugins``, ``explain``, ``env``, ``demo``, ``new-plugin``, and
+the commands plugins add through the ``cardcage_cli_commands`` hook (:mod:`cardcage.commands`).
 
 A bad flag or configuration prints the message on stderr and exits with status 2, without a
 traceback. ``--json`` prints one JSON document on stdout and nothing else there.
@@ -11,71 +11,66 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
+from cardcage.commands import KNOWN_COMMANDS, Arguments, Command, Commands, Run
+from cardcage.commands import add_trainer_flags as add_trainer_flags
+from cardcage.commands import trainer_flags as trainer_flags
 from cardcage.errors import MisconfigurationError, PluginError
+from cardcage.plugins import PluginRecord, Registry
 
 EXIT_USAGE = 2
-Command = Callable[[argparse.Namespace], int]
 
 
-def _int_or_ids(value: str) -> int | str:
-    """``"2"`` → 2 (a count), ``"1,3"`` or ``"3,"`` → the string (ids), as Lightning's CLI did."""
-    text = value.strip()
-    if "," in text:
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        return text  # validation names the flag and value
+def collect(builtin: Iterable[Command], registry: Registry) -> Commands:
+    """The built-in commands and those the loaded plugins of ``registry`` register.
+
+    Each plugin's ``cardcage_cli_commands`` is called in turn (sorted by plugin name), so
+    that every command is attributed to the plugin that added it.
+    """
+    commands = Commands(builtin)
+    caller = getattr(registry.hooks, "cardcage_cli_commands", None)
+    if caller is None:
+        return commands
+    distributions: Mapping[str, str | None] = {
+        record.name: record.distribution for record in registry.plugins
+    }
+    implementations = [
+        impl
+        for impl in caller.get_hookimpls()
+        if not (getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False))
+    ]
+    for impl in sorted(implementations, key=lambda impl: impl.plugin_name):
+        commands._registering(impl.plugin_name, distributions.get(impl.plugin_name))
+        values = {"commands": commands}
+        try:
+            impl.function(*(values[name] for name in impl.argnames))
+        except PluginError:
+            raise
+        except Exception as error:
+            owner = distributions.get(impl.plugin_name) or "registered in-process"
+            raise PluginError(
+                f"plugin {impl.plugin_name!r} ({owner}) failed to add its commands: "
+                f"{type(error).__name__}: {error}. Disable it with "
+                f"CARDCAGE_DISABLE_PLUGINS={impl.plugin_name}."
+            ) from error
+    commands._registering("cardcage", "cardcage-core")
+    return commands
 
 
-def _precision(value: str) -> int | str:
-    return int(value) if value.isdigit() else value
-
-
-def add_trainer_flags(parser: argparse.ArgumentParser) -> None:
-    """The Trainer flags, spelled the way DESIGN.md's command line spells them."""
-    group = parser.add_argument_group("trainer flags")
-    group.add_argument(
-        "--gpus",
-        type=_int_or_ids,
-        default=None,
-        help="GPU count (2), all (-1), or ids ('1,3' or '3,')",
-    )
-    group.add_argument(
-        "--tpu-cores", type=_int_or_ids, default=None, help="1, 8, or one core as 'k,'"
-    )
-    group.add_argument("--num-processes", type=int, default=1)
-    group.add_argument("--num-nodes", type=int, default=1)
-    group.add_argument(
-        "--distributed-backend",
-        "--backend",
-        dest="distributed_backend",
-        default=None,
-        help="a backend name or alias; default: the rules decide",
-    )
-    group.add_argument("--auto-select-gpus", action="store_true")
-    group.add_argument("--precision", type=_precision, default=32, help="32, 16, 64 or bf16")
-    group.add_argument("--max-epochs", type=int, default=None)
-    group.add_argument("--max-steps", type=int, default=None)
-
-
-def trainer_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The Trainer keyword arguments held by ``args``."""
-    names = (
-        "gpus",
-        "tpu_cores",
-        "num_processes",
-        "num_nodes",
-        "distributed_backend",
-        "auto_select_gpus",
-        "precision",
-        "max_epochs",
-        "max_steps",
-    )
-    return {name: getattr(args, name) for name in names}
+def missing_command_message(name: str, plugin_records: Iterable[PluginRecord]) -> str | None:
+    """Why ``cardcage NAME`` is not there and what installs it, for the known commands."""
+    if name not in KNOWN_COMMANDS:
+        return None
+    distribution, install = KNOWN_COMMANDS[name]
+    for record in plugin_records:
+        if record.distribution == distribution and record.status != "loaded":
+            why = f": {record.error}" if record.error else ""
+            return (
+                f"'cardcage {name}' comes from {distribution}, which is installed but "
+                f"{record.status} (plugin {record.name!r}){why}."
+            )
+    return f"'cardcage {name}' needs {distribution}, which is not installed: {install}"
 
 
 def _print_json(data: object) -> None:
@@ -86,14 +81,29 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from cardcage.report import backend_rows
 
     rows, records = backend_rows(os.environ)
+    added = [command for command in all_commands() if command.plugin != "cardcage"]
     if args.json:
-        _print_json({"backends": rows, "plugins": records})
+        commands = [
+            {"name": c.name, "plugin": c.plugin, "distribution": c.distribution, "help": c.help}
+            for c in added
+        ]
+        _print_json({"backends": rows, "plugins": records, "commands": commands})
         return 0
     print("backends:")
     for row in rows:
         aliases = f" (aliases: {', '.join(row['aliases'])})" if row["aliases"] else ""
         dist = f"{row['distribution']} {row['version']}" if row["distribution"] else row["plugin"]
         print(f"  {row['name']}{aliases}  [{dist}]  {row['status']}")
+    extensions = [r for r in records if r["status"] == "loaded" and not r["accelerators"]]
+    if extensions:
+        print("other plugins (no backend):")
+        for record in extensions:
+            dist = (
+                f" [{record['distribution']} {record['version']}]" if record["distribution"] else ""
+            )
+            names = [c.name for c in added if c.plugin == record["name"]]
+            shown = f"  commands: {', '.join(names)}" if names else ""
+            print(f"  {record['name']}{dist}  loaded{shown}")
     others = [r for r in records if r["status"] != "loaded"]
     if others:
         print("plugins not loaded:")
@@ -170,71 +180,104 @@ def cmd_new_plugin(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_submit(args: argparse.Namespace) -> int:
-    from cardcage.submit import run_submit_command
-
-    return run_submit_command(args)
+def _add_json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
-def cmd_jobs(args: argparse.Namespace) -> int:
-    from cardcage.submit import run_jobs_command
+def _add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_json_flag(parser)
+    add_trainer_flags(parser)
 
-    return run_jobs_command(args)
+
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    add_trainer_flags(parser)
+    parser.add_argument(
+        "--progress-bar",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show the progress bar (default: on)",
+    )
 
 
-COMMANDS: dict[str, tuple[Command, str]] = {
+#: The built-in commands: name -> (function, help). Plugins add theirs through the
+#: ``cardcage_cli_commands`` hook.
+COMMANDS: dict[str, tuple[Run, str]] = {
     "plugins": (cmd_plugins, "list backends, their plugins and whether they can run here"),
     "explain": (cmd_explain, "show which backend the flags select here, and why"),
     "env": (cmd_env, "versions, devices and cluster environment, for bug reports"),
     "demo": (cmd_demo, "train a small built-in model on synthetic data on the selected backend"),
     "new-plugin": (cmd_new_plugin, "write a new backend plugin distribution to start from"),
-    "submit": (cmd_submit, "submit training to SLURM: one job per grid point (submitit)"),
-    "jobs": (cmd_jobs, "status, results and cancellation of a submitted grid"),
+}
+_ARGUMENTS: dict[str, Arguments] = {
+    "plugins": _add_json_flag,
+    "explain": _add_explain_arguments,
+    "env": _add_json_flag,
+    "demo": _add_demo_arguments,
+    "new-plugin": add_new_plugin_arguments,
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def builtin_commands() -> list[Command]:
+    """The core's own commands."""
+    return [
+        Command(name, run, text, _ARGUMENTS.get(name)) for name, (run, text) in COMMANDS.items()
+    ]
+
+
+def all_commands(env: Mapping[str, str] | None = None) -> Commands:
+    """The built-in commands and those the plugins loaded under ``env`` (default:
+    ``os.environ``) register; raises :class:`~cardcage.PluginError` on a clash."""
+    from cardcage import plugins
+
+    return collect(builtin_commands(), plugins.registry(os.environ if env is None else env))
+
+
+def build_parser(
+    commands: Commands | None = None, *, selected: str | None = None
+) -> argparse.ArgumentParser:
+    """The ``cardcage`` parser with ``commands`` (default: :func:`all_commands`).
+
+    With ``selected``, only that command's arguments are added (the others are listed, with
+    their help line): a plugin's argument code is imported only when its command runs.
+    """
+    if commands is None:
+        commands = all_commands()
     parser = argparse.ArgumentParser(
         prog="cardcage", description="Train PyTorch models on whichever accelerator fits."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (function, text) in COMMANDS.items():
-        command = sub.add_parser(name, help=text, description=text)
-        command.set_defaults(function=function)
-        if name in ("plugins", "explain", "env"):
-            command.add_argument(
-                "--json", action="store_true", help="print one JSON document on stdout"
-            )
-        if name in ("explain", "demo"):
-            add_trainer_flags(command)
-        if name == "demo":
-            command.add_argument(
-                "--progress-bar",
-                action=argparse.BooleanOptionalAction,
-                default=True,
-                help="show the progress bar (default: on)",
-            )
-        if name == "new-plugin":
-            add_new_plugin_arguments(command)
-        if name == "submit":
-            from cardcage.submit import add_submit_arguments
-
-            add_submit_arguments(command)
-        if name == "jobs":
-            from cardcage.submit import add_jobs_arguments
-
-            add_jobs_arguments(command)
+    for command in commands:
+        subparser = sub.add_parser(command.name, help=command.help, description=command.help)
+        subparser.set_defaults(function=command.run)
+        if command.arguments is not None and selected in (None, command.name):
+            command.arguments(subparser)
     return parser
 
 
+def _error(error: object) -> int:
+    print(f"cardcage: error: {error}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    try:
+        commands = all_commands()
+    except (MisconfigurationError, PluginError) as error:
+        return _error(error)
+    name = arguments[0] if arguments else None
+    if name is not None and not name.startswith("-") and name not in commands:
+        from cardcage import plugins
+
+        missing = missing_command_message(name, plugins.registry(os.environ).plugins)
+        if missing is not None:
+            return _error(missing)
+    parser = build_parser(commands, selected=name or "")
+    args = parser.parse_args(arguments)
     try:
         return int(args.function(args))
     except (MisconfigurationError, PluginError) as error:
-        print(f"cardcage: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(error)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `cardcage explain | head`: the reader left, which is no error

@@ -205,11 +205,6 @@ def probe_gpu(device: int) -> bool:
     return True
 
 
-# The old private name, still used by cardcage.trainer (Trainer._probe_auto_selected_gpus);
-# remove it once trainer.py calls devices.probe_gpu.
-_probe = probe_gpu
-
-
 def pick_multiple_gpus(
     count: int,
     *,

@@ -23,8 +23,8 @@ from cardcage.checkpoint import rng_state, set_rng_state
 from cardcage.contract import extract_loss, mean_metrics, metrics_of
 
 if TYPE_CHECKING:
-    from cardcage.strategy import Strategy
     from cardcage.protocol import TrainerProtocol as Trainer
+    from cardcage.strategy import Strategy
 
 
 LOSS_CHUNK = 64

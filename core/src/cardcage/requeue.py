@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import signal
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -50,6 +48,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from cardcage import checkpoint
+from cardcage.agreement import AGREE_TIMEOUT, DONE, FOREVER, NEVER, agree, say
 
 if TYPE_CHECKING:
     from cardcage.cluster import ClusterEnvironment
@@ -61,16 +60,7 @@ log = logging.getLogger("cardcage")
 REQUEUE_DIR = "CARDCAGE_REQUEUE_DIR"
 #: The exit status of every rank after a requeue (``EX_TEMPFAIL``: try again later).
 REQUEUED_EXIT_STATUS = 75
-#: Added to the ``request`` key when a fit ends, to release every watcher.
-DONE = 1 << 40
-#: The initial margin, in seconds of training at the fastest rank's step rate.
-MARGIN_S = 0.25
-MAX_ROUNDS = 12
-FOREVER = timedelta(days=1)
-POLL_S = 0.005
-AGREE_TIMEOUT = timedelta(seconds=120)
 SAVE_TIMEOUT = timedelta(hours=1)
-NEVER = -1
 
 
 class Requeued(SystemExit):
@@ -85,11 +75,6 @@ class Requeued(SystemExit):
 
     def __str__(self) -> str:
         return self.message
-
-
-def say(message: str) -> None:
-    """One line on stderr: requeue events are rare and belong in the job's log."""
-    print(f"cardcage: requeue: {message}", file=sys.stderr, flush=True)
 
 
 def check(selection: Selection) -> None:
@@ -303,93 +288,10 @@ class RequeueHandler:
 
     def _watch(self, client: Any) -> None:
         try:
-            self._agree(client)
+            agree(self, client)
         except Exception as error:
             if not self.closed.is_set():
                 say(f"rank {self.rank}: agreeing on a stop step failed: {error}")
-
-    def _poll(self, client: Any, keys: list[str], timeout: timedelta = AGREE_TIMEOUT) -> bool:
-        """Wait until every key is set (False: the fit ended first)."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        while not client.check(keys):
-            if self.closed.wait(POLL_S):
-                return False
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {', '.join(keys)} within {timeout.total_seconds():.0f}s")
-        return True
-
-    def _agree(self, client: Any) -> None:
-        from torch.distributed import DistStoreError  # type: ignore[attr-defined]
-
-        prefix, rank, world = self.prefix, self.rank, self.world_size
-        while True:
-            try:  # blocks until a signal, the end of the fit (DONE), or the store goes away
-                client.wait([prefix + "request"], FOREVER)
-                break
-            except DistStoreError:
-                if self.closed.is_set():
-                    return
-        if int(client.add(prefix + "request", 0)) >= DONE or self.closed.is_set():
-            return
-        trainer = self.trainer
-        assert trainer is not None
-        step = trainer.global_step
-        started, first = self.baseline
-        elapsed = time.monotonic() - started
-        rate = (step - first) / elapsed if step > first and elapsed > 0 else 0.0
-        client.set(f"{prefix}report/{rank}", f"{step} {rate:.6g}")
-        max_rate = 0.0
-        if rank == 0:
-            keys = [f"{prefix}report/{r}" for r in range(world)]
-            if not self._poll(client, keys):
-                return
-            reports = [client.get(key).decode().split() for key in keys]
-            steps = [int(report[0]) for report in reports]
-            max_rate = max(float(report[1]) for report in reports)
-            stop = max(steps) + 1 + math.ceil(max_rate * MARGIN_S)
-            say(
-                f"stop requested; all {world} ranks stop after global step {stop} (ranks at "
-                f"steps {min(steps)}..{max(steps)}, {max_rate:.3g} steps/s)"
-            )
-            client.set(f"{prefix}round/0", str(stop))
-        for round_ in range(MAX_ROUNDS):
-            key = f"{prefix}round/{round_}"
-            if not self._poll(client, [key]):
-                return
-            stop = int(client.get(key))
-            self.rounds[stop] = round_
-            trainer.stop_at_step = stop
-            now = trainer.global_step  # read after the write: below `stop`, the loop sees it
-            client.set(f"{prefix}ack/{round_}/{rank}", "ok" if now < stop else f"late {now}")
-            decision_key = f"{prefix}decision/{round_}"
-            if rank == 0:
-                keys = [f"{prefix}ack/{round_}/{r}" for r in range(world)]
-                if not self._poll(client, keys):
-                    return
-                acks = [client.get(key).decode() for key in keys]
-                late = [int(ack.split()[1]) for ack in acks if ack.startswith("late")]
-                if not late:
-                    decision = "commit"
-                elif round_ + 1 < MAX_ROUNDS:
-                    scale = 2 ** (round_ + 1)
-                    margin = max(scale, math.ceil(max_rate * MARGIN_S * scale))
-                    later = max(late) + 1 + margin
-                    say(f"ranks passed step {stop} before they heard of it; stopping at {later}")
-                    client.set(f"{prefix}round/{round_ + 1}", str(later))
-                    decision = f"retry {later}"
-                else:
-                    decision = "abort"
-                client.set(decision_key, decision)
-            if not self._poll(client, [decision_key]):
-                return
-            decision = client.get(decision_key).decode()
-            if decision == "abort":
-                trainer.stop_at_step = NEVER
-                if rank == 0:
-                    say(f"no agreement after {MAX_ROUNDS} rounds: training goes on, no checkpoint")
-                return
-            if decision == "commit":
-                return
 
     # -- the loop's call at the stop step ---------------------------------------------------
 

@@ -169,3 +169,24 @@ def _auto_select(gpus: int, device_count: int) -> tuple[list[int] | None, bool]:
             gpus, free_memory=lambda: free, device_count=device_count
         ), False
     return devices.parse_gpu_ids(gpus, device_count), True
+
+
+def probe_pending_gpus(selection: Selection) -> Selection:
+    """``auto_select_gpus`` without NVML: probe the GPUs, as Lightning 1.0 did.
+
+    Allocating on a GPU creates a CUDA context, which :func:`select` must not, so the choice
+    waits until training starts (``fit``). The ids go to ``CARDCAGE_GPUS``, so that
+    processes started later take the same GPUs instead of probing again. Returns
+    ``selection`` itself when nothing was pending.
+    """
+    if not selection.auto_select_pending or selection.processes_created_outside:
+        return selection
+    count = len(selection.gpu_ids or [])
+    ids = devices.pick_multiple_gpus(count, free_memory=lambda: None, probe=devices.probe_gpu)
+    os.environ["CARDCAGE_GPUS"] = ",".join(map(str, ids))
+    return replace(
+        selection,
+        gpu_ids=ids,
+        root_gpu=devices.determine_root_gpu_device(ids),
+        auto_select_pending=False,
+    )

@@ -18,6 +18,7 @@ import pluggy
 if TYPE_CHECKING:
     from cardcage.accelerator import Accelerator
     from cardcage.cluster import ClusterEnvironment
+    from cardcage.commands import Commands
     from cardcage.protocol import TrainerProtocol as Trainer
 
 NAME = "cardcage"
@@ -123,5 +124,29 @@ def cardcage_teardown_process(trainer: Trainer, accelerator: Accelerator) -> boo
     :param trainer: the :class:`~cardcage.Trainer` in this process.
     :param accelerator: the backend instance in this process.
     :return: ``True`` once torn down (first result wins).
+    """
+    raise AssertionError("hookspec")  # pragma: no cover
+
+
+@_spec
+def cardcage_cli_commands(commands: Commands) -> None:
+    """Add subcommands to the ``cardcage`` command line (llm's ``register_commands``).
+
+    Called once per plugin each time the ``cardcage`` command builds its parser, with a
+    registrar; call ``commands.add(name, run, help=..., arguments=...)`` for each command::
+
+        @cardcage.hookimpl
+        def cardcage_cli_commands(commands):
+            commands.add("hello", run_hello, help="say hello", arguments=add_hello_arguments)
+
+    ``run(args)`` gets the parsed :class:`argparse.Namespace` and returns the exit status; a
+    :class:`~cardcage.MisconfigurationError` it raises becomes one line on stderr and exit
+    status 2. ``arguments(parser)`` adds the command's arguments to its subparser
+    (``cardcage.commands.add_trainer_flags`` adds the Trainer flags). Import heavy modules
+    inside ``run``, not here: every ``cardcage`` command calls this hook. A name that a
+    built-in command or another plugin already has is an error naming both plugins.
+
+    :param commands: the registrar (:class:`~cardcage.commands.Commands`); its ``add``
+        method adds one command.
     """
     raise AssertionError("hookspec")  # pragma: no cover

@@ -5,18 +5,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from cardcage import checkpoint, devices, loop, plugins, requeue
+from cardcage import agreement, checkpoint, devices, loop, plugins, requeue
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
 from cardcage.errors import MisconfigurationError
 from cardcage.progress import ProgressBar
-from cardcage.selection import Selection, select
+from cardcage.selection import Selection, probe_pending_gpus, select
 from cardcage.strategy import Strategy
 
 
@@ -101,7 +100,7 @@ class Trainer:
         self.losses: list[float] = []
         self._resume: dict[str, Any] | None = None
         #: The step the loop stops at for a requeue (cardcage.requeue); never reached: -1.
-        self.stop_at_step = requeue.NEVER
+        self.stop_at_step = agreement.NEVER
         self._requeue: requeue.RequeueHandler | None = None
         self._prepared = False
         #: The last state a worker handed back (a checkpoint): what save_checkpoint writes in
@@ -145,25 +144,11 @@ class Trainer:
         return self.results
 
     def _probe_auto_selected_gpus(self) -> None:
-        """``auto_select_gpus`` without NVML: probe the GPUs now, as Lightning 1.0 did.
-
-        Allocating on a GPU creates a CUDA context, which ``select`` must not, so the choice
-        waits until training starts. The ids go to ``CARDCAGE_GPUS``, so that processes this
-        one starts take the same GPUs instead of probing again.
-        """
-        selection = self.selection
-        if not selection.auto_select_pending or selection.processes_created_outside:
-            return
-        count = len(selection.gpu_ids or [])
-        ids = devices.pick_multiple_gpus(count, free_memory=lambda: None, probe=devices._probe)
-        os.environ["CARDCAGE_GPUS"] = ",".join(map(str, ids))
-        self.selection = dataclasses.replace(
-            selection,
-            gpu_ids=ids,
-            root_gpu=devices.determine_root_gpu_device(ids),
-            auto_select_pending=False,
-        )
-        self.accelerator.selection = self.selection
+        """``auto_select_gpus`` without NVML: the GPUs are probed now, when training starts
+        (``select`` must create no CUDA context); see :func:`selection.probe_pending_gpus`."""
+        probed = probe_pending_gpus(self.selection)
+        if probed is not self.selection:
+            self.selection = self.accelerator.selection = probed
 
     def validate(
         self, model: torch.nn.Module | None = None, dataloaders: Any = None
@@ -404,12 +389,3 @@ class Trainer:
             self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
             self._prepared = True
         return loop.evaluate(self, self.accelerator, loaders, step, prefix)
-
-
-def trainer_flags() -> Sequence[str]:
-    """The names of the Trainer's keyword arguments."""
-    import inspect
-
-    return [
-        p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "unknown")
-    ]

@@ -3,7 +3,7 @@
 It trains fast steps (5 ms of sleep: at most 200 steps/s, so that the stop margin of 0.25 s
 stays well inside the run), so the ranks' stop agreement races the loop; with
 ``--signal-step N`` the rank ``--signal-rank`` sends itself the requeue signal at its N-th
-step (on the first run only). ``--margin`` overrides ``cardcage.requeue.MARGIN_S`` (0 makes
+step (on the first run only). ``--margin`` overrides ``cardcage.agreement.MARGIN_S`` (0 makes
 "late" ranks, and so further agreement rounds, likely). Rank 0 saves the final weights.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage import requeue
+from cardcage import agreement
 
 
 class Model(torch.nn.Module):
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.margin is not None:
-        requeue.MARGIN_S = args.margin
+        agreement.MARGIN_S = args.margin
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(args.samples, 4, generator=generator)
     data = TensorDataset(x, (x[:, :1] - x[:, 1:2] * x[:, 2:3]).tanh())

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from cardcage.submit import current_run
+from cardcage_submit import current_run
 
 
 def dataset(samples: int) -> TensorDataset:

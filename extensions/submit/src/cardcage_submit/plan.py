@@ -1,24 +1,26 @@
-"""The job description (:class:`SlurmJob`) and its validation into a :class:`Plan`: the
+"""The job description (:class:`JobDescription`, the fields of
+:class:`~cardcage_submit.submission.SlurmJob`) and its validation into a :class:`Plan`: the
 layout the selection rules choose for the Trainer flags (processes per node, checked
-against what the Trainer inside the job will see) and submitit's parameters."""
+against what the Trainer inside the job will see) and submitit's parameters.
+
+This module imports nothing of the submission: :mod:`~cardcage_submit.submission` builds on
+it (``SlurmJob`` adds ``dry_run`` and ``submit`` to the description), never the reverse."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from cardcage.environments import INTERACTIVE_SLURM_JOB_NAMES, REQUEUE_SIGNAL, parse_signal
 from cardcage.errors import MisconfigurationError
-from cardcage.submit.grid import Value, parse_value
+from cardcage_submit.grid import parse_value
 
 if TYPE_CHECKING:
     from cardcage.selection import Selection
-    from cardcage.submit.jobs import Grid
-    from cardcage.submit.submission import PlannedJob
 
 #: sbatch options cardcage sets itself; ``sbatch=`` may not override them.
 RESERVED_SBATCH = frozenset(
@@ -104,42 +106,9 @@ def _strings(name: str, value: object) -> tuple[str, ...]:
 
 
 @dataclass
-class SlurmJob:
-    """What one job of a grid asks SLURM for, and the Trainer flags it trains with.
-
-    The seed's ``SlurmCluster`` as a description: ``nodes`` and ``gpus_per_node`` per
-    experiment, ``modules`` to load, ``setup`` commands (``export NCCL_DEBUG=INFO``), the
-    ``job_name`` squeue shows. ``--ntasks-per-node`` is not set here: it is the number of
-    processes per node the selection rules pick for ``trainer`` (the Trainer flags), on a
-    node with ``gpus_per_node`` GPUs.
-
-    Attributes:
-        nodes: nodes per job (``--nodes``); the Trainer's ``num_nodes``.
-        gpus_per_node: GPUs per node (``--gpus-per-node``); the Trainer's ``gpus`` when that
-            is not set. 0: a CPU job.
-        time: the time limit: minutes, or a SLURM time such as ``"02:00:00"``.
-        partition: ``--partition``; None: the cluster's default.
-        job_name: what squeue shows (not ``bash`` or ``interactive``: cardcage would take
-            the job for an interactive shell).
-        modules: ``module load`` lines, in order.
-        setup: shell lines run before the training starts (after the modules).
-        env: variables exported to the job.
-        master_port: the rendezvous port; None: 15000 + the last four digits of the job id
-            (distinct for jobs that run at the same time).
-        cpus_per_task, mem: ``--cpus-per-task``, ``--mem`` (e.g. ``"32G"``).
-        requeue: checkpoint and requeue before the time limit (``--requeue`` and
-            ``--signal=SIG@signal_delay_s``); see docs/slurm.md.
-        requeue_signal: the signal that asks for it (cardcage's default: USR1).
-        signal_delay_s: seconds before the time limit that the signal comes.
-        sbatch: any other sbatch option: ``{"account": "proj", "exclusive": True,
-            "gres": "gpu:8"}`` (with ``gres``, ``--gpus-per-node`` is left out).
-        srun_args: extra ``srun`` arguments; the default ends the whole step when one task
-            fails (the other ranks would wait in a collective until a timeout).
-        python: the interpreter command in the job; None: this one (``sys.executable``).
-        trainer: the Trainer flags (``num_processes``, ``distributed_backend``,
-            ``precision``, ``max_epochs``, ...). The job's function gets them from
-            :func:`current_run` (``run.trainer()`` builds the Trainer).
-    """
+class JobDescription:
+    """The fields of a :class:`~cardcage_submit.submission.SlurmJob` (documented there) and
+    their validation, :meth:`plan`; ``SlurmJob`` adds ``dry_run`` and ``submit``."""
 
     nodes: int = 1
     gpus_per_node: int = 0
@@ -164,41 +133,13 @@ class SlurmJob:
         """Validate the description and decide the layout (raises MisconfigurationError)."""
         return _plan(self)
 
-    def dry_run(
-        self,
-        target: str | Callable[..., Any],
-        grid: Mapping[str, Sequence[Value] | Value] | Sequence[Mapping[str, Value]] | None = None,
-        *,
-        folder: str | os.PathLike[str] | None = None,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> list[PlannedJob]:
-        """The jobs :meth:`submit` would submit, with their exact sbatch scripts; submits none."""
-        from cardcage.submit.submission import dry_run
-
-        return dry_run(target, self, grid, folder=folder, args=args, kwargs=kwargs)
-
-    def submit(
-        self,
-        target: str | Callable[..., Any],
-        grid: Mapping[str, Sequence[Value] | Value] | Sequence[Mapping[str, Value]] | None = None,
-        *,
-        folder: str | os.PathLike[str] | None = None,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Grid:
-        """Submit one job per grid point; see :func:`submit`."""
-        from cardcage.submit.submission import submit
-
-        return submit(target, self, grid, folder=folder, args=args, kwargs=kwargs)
-
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated :class:`SlurmJob`: the layout the selection rules chose, and submitit's
+    """A validated :class:`JobDescription`: the layout the selection rules chose, and submitit's
     parameters (without the per-point setup lines)."""
 
-    job: SlurmJob
+    job: JobDescription
     trainer_flags: dict[str, Any]
     accelerator: str
     rule: str
@@ -219,7 +160,7 @@ class Plan:
         )
 
 
-def _planning_env(job: SlurmJob) -> dict[str, str]:
+def _planning_env(job: JobDescription) -> dict[str, str]:
     env = {
         key: value
         for key, value in os.environ.items()
@@ -239,7 +180,7 @@ def _positive(name: str, value: object, *, zero: bool = False, what: str = "") -
     return value
 
 
-def _trainer_flags(job: SlurmJob) -> tuple[dict[str, Any], int]:
+def _trainer_flags(job: JobDescription) -> tuple[dict[str, Any], int]:
     """The Trainer flags of the job, and the GPUs per node to ask SLURM for."""
     from cardcage.flags import FLAG_NAMES
 
@@ -298,7 +239,7 @@ def _trainer_flags(job: SlurmJob) -> tuple[dict[str, Any], int]:
     return flags, per_node
 
 
-def _plan(job: SlurmJob) -> Plan:
+def _plan(job: JobDescription) -> Plan:
     from cardcage.selection import select
 
     nodes = _positive("nodes", job.nodes)
@@ -439,14 +380,8 @@ def _plan(job: SlurmJob) -> Plan:
         extras["signal"] = f"{signal_name}@{job.signal_delay_s}"
         extras["requeue"] = True
     parameters["additional_parameters"] = extras
-    normalized = SlurmJob(
-        **{
-            **{f.name: getattr(job, f.name) for f in fields(SlurmJob)},
-            "modules": modules,
-            "setup": setup,
-            "srun_args": srun_args,
-            "gpus_per_node": gpus_per_node,
-        }
+    normalized = replace(
+        job, modules=modules, setup=setup, srun_args=srun_args, gpus_per_node=gpus_per_node
     )
     return Plan(
         job=normalized,

@@ -10,7 +10,7 @@ from typing import Any
 
 from cardcage.errors import MisconfigurationError
 
-#: What ``pip install 'cardcage[submit]'`` installs.
+#: cardcage-submit's requirement on submitit (its pyproject.toml), for messages.
 SUBMITIT_REQUIREMENT = "submitit>=1.5.4,<1.6"
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cardcage.environments import parse_signal
-from cardcage.submit.files import POINT_FILE, RESULT_FILE, _json_safe, _write_json
-from cardcage.submit.grid import Value
+from cardcage_submit.files import POINT_FILE, RESULT_FILE, _json_safe, _write_json
+from cardcage_submit.grid import Value
 
 if TYPE_CHECKING:
-    from cardcage.submit.target import GridPoint
     from cardcage.trainer import Trainer
+    from cardcage_submit.target import GridPoint
 
 #: Inside a job: the path of the grid point's ``hparams.json`` (:func:`current_run`).
 RUN_VARIABLE = "CARDCAGE_SUBMIT_RUN"

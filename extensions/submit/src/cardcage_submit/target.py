@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cardcage.errors import MisconfigurationError
-from cardcage.submit.files import _json_safe
-from cardcage.submit.grid import Value
+from cardcage_submit.files import _json_safe
+from cardcage_submit.grid import Value
 
 if TYPE_CHECKING:
-    from cardcage.submit.plan import Plan
+    from cardcage_submit.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""``cardcage.submit`` without a cluster: grids, the planned layout, the exact sbatch scripts of
+"""``cardcage_submit`` without a cluster: grids, the planned layout, the exact sbatch scripts of
 a dry run, validation errors, ``cardcage submit``/``cardcage jobs`` exit statuses, what a job
-runs (``cardcage.submit.run._run_point``) and how states are read from SLURM's commands
+runs (``cardcage_submit.run._run_point``) and how states are read from SLURM's commands
 (faked here).
 
 The real submissions are in tests/slurm/test_submit.py.
@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 
 import cardcage
+import cardcage_submit as sub
 from cardcage import cli
-from cardcage import submit as sub
 from cardcage.requeue import REQUEUED_EXIT_STATUS
-from cardcage.submit import Grid, SlurmJob
-from cardcage.submit.run import _run_point
-from cardcage.submit.sbatch import _python_command
-from cardcage.submit.submission import _points
+from cardcage_submit import Grid, SlurmJob
+from cardcage_submit.run import _run_point
+from cardcage_submit.sbatch import _python_command
+from cardcage_submit.submission import _points
 
 pytest.importorskip("submitit")
 
@@ -50,7 +50,7 @@ def function_file(tmp_path: Path) -> Path:
         textwrap.dedent(
             """
             import os, sys
-            from cardcage.submit import current_run
+            from cardcage_submit import current_run
 
             def train(lr, layers, extra=0):
                 run = current_run()
@@ -350,15 +350,25 @@ def test_submit_without_srun_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.slow
 def test_import_cardcage_does_not_import_submitit() -> None:
-    # cardcage.SlurmJob loads the submission package on first use; submitit waits until a
+    # Loading the plugins imports cardcage_submit alone (not its modules);
+    # cardcage.SlurmJob loads the submission modules on first use; submitit waits until a
     # job is planned
     code = (
-        "import sys, cardcage; print('submitit' in sys.modules, 'cardcage.submit' in sys.modules)"
-        "; cardcage.SlurmJob; print('submitit' in sys.modules, 'cardcage.submit' in sys.modules)"
+        "import sys, cardcage\n"
+        "def show(): print('submitit' in sys.modules, 'cardcage_submit' in sys.modules, "
+        "'cardcage_submit.cli' in sys.modules, 'cardcage_submit.submission' in sys.modules)\n"
+        "show(); cardcage.select(); show(); cardcage.SlurmJob; show()"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARDCAGE_")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "False", "False", "True"]
+    assert done.stdout.splitlines() == [
+        "False False False False",
+        "False True False False",
+        "False True False True",
+    ]
 
 
 # -- what a job runs ---------------------------------------------------------------------------

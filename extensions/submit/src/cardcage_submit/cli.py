@@ -10,12 +10,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cardcage.commands import add_trainer_flags, trainer_flags
 from cardcage.errors import MisconfigurationError
-from cardcage.submit.external import SubmissionError
-from cardcage.submit.grid import Value, _describe, parse_grid_option
-from cardcage.submit.jobs import Grid
-from cardcage.submit.plan import SlurmJob
-from cardcage.submit.submission import _manifest_plan, dry_run, submit
+from cardcage.flags import Flags
+from cardcage_submit.external import SubmissionError
+from cardcage_submit.grid import Value, _describe, parse_grid_option
+from cardcage_submit.jobs import Grid
+from cardcage_submit.submission import SlurmJob, _manifest_plan, dry_run, submit
 
 
 def _submit_options(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +68,6 @@ def _submit_options(parser: argparse.ArgumentParser) -> None:
 
 def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``cardcage submit`` arguments (options may come before or after the target)."""
-    from cardcage.cli import add_trainer_flags
-
     _submit_options(parser)
     add_trainer_flags(parser)
     parser.add_argument(
@@ -80,8 +79,6 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options_parser() -> argparse.ArgumentParser:
-    from cardcage.cli import add_trainer_flags
-
     parser = argparse.ArgumentParser(prog="cardcage submit", add_help=False)
     _submit_options(parser)
     add_trainer_flags(parser)
@@ -102,9 +99,6 @@ def _pairs(values: Sequence[str] | None, option: str) -> dict[str, str]:
 
 def job_from_arguments(args: argparse.Namespace) -> SlurmJob:
     """The :class:`SlurmJob` that ``cardcage submit`` arguments describe."""
-    from cardcage.cli import trainer_flags
-    from cardcage.flags import Flags
-
     defaults = Flags().as_dict()
     trainer = {
         name: value

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cardcage.environments import REQUEUE_SIGNAL
-from cardcage.submit.external import _submitit
-from cardcage.submit.grid import _describe
+from cardcage_submit.external import _submitit
+from cardcage_submit.grid import _describe
 
 if TYPE_CHECKING:
-    from cardcage.submit.plan import Plan, SlurmJob
-    from cardcage.submit.target import GridPoint
+    from cardcage_submit.plan import JobDescription, Plan
+    from cardcage_submit.target import GridPoint
 
 
 def _setup_lines(plan: Plan, point: GridPoint) -> list[str]:
@@ -39,7 +39,7 @@ def _setup_lines(plan: Plan, point: GridPoint) -> list[str]:
     return lines
 
 
-def _python_command(job: SlurmJob) -> str:
+def _python_command(job: JobDescription) -> str:
     return shlex.quote(sys.executable) if job.python is None else job.python
 
 

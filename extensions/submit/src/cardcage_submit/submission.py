@@ -1,5 +1,7 @@
 """Submitting a grid: one job per point, each in its own folder, through submitit
-(:func:`submit`), or only the jobs it would submit with their sbatch scripts (:func:`dry_run`)."""
+(:func:`submit`), or only the jobs it would submit with their sbatch scripts (:func:`dry_run`);
+:class:`SlurmJob`, the job description (:class:`~cardcage_submit.plan.JobDescription`) with
+``dry_run`` and ``submit`` methods."""
 
 from __future__ import annotations
 
@@ -11,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from cardcage.errors import MisconfigurationError
-from cardcage.submit.external import SubmissionError, _submitit
-from cardcage.submit.files import MANIFEST, POINT_FILE, _json_safe, _write_json
-from cardcage.submit.grid import Value, _describe, _point_folder_name, expand_grid
-from cardcage.submit.jobs import Grid, GridJob
-from cardcage.submit.plan import Plan, SlurmJob
-from cardcage.submit.run import _run_point
-from cardcage.submit.sbatch import _sbatch_script, _setup_lines
-from cardcage.submit.target import GridPoint, Target
+from cardcage_submit.external import SubmissionError, _submitit
+from cardcage_submit.files import MANIFEST, POINT_FILE, _json_safe, _write_json
+from cardcage_submit.grid import Value, _describe, _point_folder_name, expand_grid
+from cardcage_submit.jobs import Grid, GridJob
+from cardcage_submit.plan import JobDescription, Plan
+from cardcage_submit.run import _run_point
+from cardcage_submit.sbatch import _sbatch_script, _setup_lines
+from cardcage_submit.target import GridPoint, Target
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,69 @@ class PlannedJob:
     script: str
     parameters: dict[str, Any]
     point: GridPoint = field(repr=False)
+
+
+@dataclass
+class SlurmJob(JobDescription):
+    """What one job of a grid asks SLURM for, and the Trainer flags it trains with.
+
+    The seed's ``SlurmCluster`` as a description: ``nodes`` and ``gpus_per_node`` per
+    experiment, ``modules`` to load, ``setup`` commands (``export NCCL_DEBUG=INFO``), the
+    ``job_name`` squeue shows. ``--ntasks-per-node`` is not set here: it is the number of
+    processes per node the selection rules pick for ``trainer`` (the Trainer flags), on a
+    node with ``gpus_per_node`` GPUs.
+
+    Attributes:
+        nodes: nodes per job (``--nodes``); the Trainer's ``num_nodes``.
+        gpus_per_node: GPUs per node (``--gpus-per-node``); the Trainer's ``gpus`` when that
+            is not set. 0: a CPU job.
+        time: the time limit: minutes, or a SLURM time such as ``"02:00:00"``.
+        partition: ``--partition``; None: the cluster's default.
+        job_name: what squeue shows (not ``bash`` or ``interactive``: cardcage would take
+            the job for an interactive shell).
+        modules: ``module load`` lines, in order.
+        setup: shell lines run before the training starts (after the modules).
+        env: variables exported to the job.
+        master_port: the rendezvous port; None: 15000 + the last four digits of the job id
+            (distinct for jobs that run at the same time).
+        cpus_per_task, mem: ``--cpus-per-task``, ``--mem`` (e.g. ``"32G"``).
+        requeue: checkpoint and requeue before the time limit (``--requeue`` and
+            ``--signal=SIG@signal_delay_s``); see docs/slurm.md.
+        requeue_signal: the signal that asks for it (cardcage's default: USR1).
+        signal_delay_s: seconds before the time limit that the signal comes.
+        sbatch: any other sbatch option: ``{"account": "proj", "exclusive": True,
+            "gres": "gpu:8"}`` (with ``gres``, ``--gpus-per-node`` is left out).
+        srun_args: extra ``srun`` arguments; the default ends the whole step when one task
+            fails (the other ranks would wait in a collective until a timeout).
+        python: the interpreter command in the job; None: this one (``sys.executable``).
+        trainer: the Trainer flags (``num_processes``, ``distributed_backend``,
+            ``precision``, ``max_epochs``, ...). The job's function gets them from
+            :func:`current_run` (``run.trainer()`` builds the Trainer).
+    """
+
+    def dry_run(
+        self,
+        target: str | Callable[..., Any],
+        grid: Mapping[str, Sequence[Value] | Value] | Sequence[Mapping[str, Value]] | None = None,
+        *,
+        folder: str | os.PathLike[str] | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[PlannedJob]:
+        """The jobs :meth:`submit` would submit, with their exact sbatch scripts; submits none."""
+        return dry_run(target, self, grid, folder=folder, args=args, kwargs=kwargs)
+
+    def submit(
+        self,
+        target: str | Callable[..., Any],
+        grid: Mapping[str, Sequence[Value] | Value] | Sequence[Mapping[str, Value]] | None = None,
+        *,
+        folder: str | os.PathLike[str] | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Grid:
+        """Submit one job per grid point; see :func:`submit`."""
+        return submit(target, self, grid, folder=folder, args=args, kwargs=kwargs)
 
 
 def _default_folder(job_name: str) -> Path:
@@ -103,7 +168,7 @@ def _points(
 
 def dry_run(
     target: str | Callable[..., Any],
-    job: SlurmJob | None = None,
+    job: JobDescription | None = None,
     grid: Mapping[str, Sequence[Value] | Value] | Sequence[Mapping[str, Value]] | None = None,
     *,
     folder: str | os.PathLike[str] | None = None,
@@ -125,7 +190,7 @@ def dry_run(
 
 def submit(
     target: str | Callable[..., Any],
-    job: SlurmJob | None = None,
+    job: JobDescription | None = None,
     grid: Mapping[str, Sequence[Value] | Value] | Sequence[Mapping[str, Value]] | None = None,
     *,
     folder: str | os.PathLike[str] | None = None,

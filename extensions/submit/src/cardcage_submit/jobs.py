@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from cardcage.errors import MisconfigurationError
-from cardcage.submit.external import SubmissionError, _slurm, _submitit
-from cardcage.submit.files import MANIFEST, RESULT_FILE, _write_json
-from cardcage.submit.grid import Value
+from cardcage_submit.external import SubmissionError, _slurm, _submitit
+from cardcage_submit.files import MANIFEST, RESULT_FILE, _write_json
+from cardcage_submit.grid import Value
 
 #: The states after which a job never runs again.
 TERMINAL_STATES = frozenset(
