@@ -64,3 +64,30 @@ def test_no_core_module_imports_a_plugin() -> None:
     }
     imports = {name: plugins for name, plugins in found.items() if plugins}
     assert imports == EXTENSION_ALIASES
+
+
+REPOSITORY = PACKAGE.parents[2]
+
+
+def _plugin_modules() -> list[Path]:
+    """The module of every shipped backend plugin, and of the tutorial's."""
+    modules = sorted(REPOSITORY.glob("plugins/*/cardcage_*.py"))
+    return [*modules, *sorted(REPOSITORY.glob("examples/plugin-tutorial/cardcage_*.py"))]
+
+
+def test_plugins_import_cardcage_only_through_the_sdk() -> None:
+    """A plugin reads like a template a stranger could copy: everything it takes from
+    cardcage comes from ``cardcage.sdk``, never a private name of a core module."""
+    assert len(_plugin_modules()) >= 9
+    found: dict[str, list[str]] = {}
+    for path in _plugin_modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                top = node.module.split(".")[0]
+                if top == "cardcage" and node.module != "cardcage.sdk":
+                    found.setdefault(path.name, []).append(f"from {node.module} import ...")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "cardcage":
+                        found.setdefault(path.name, []).append(f"import {alias.name}")
+    assert not found, f"plugins that import cardcage outside cardcage.sdk: {found}"

@@ -18,11 +18,18 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
-import cardcage
-from cardcage import Accelerator, Availability, MisconfigurationError, Rule, SelectionContext
-from cardcage.accelerator import distributed_availability
-from cardcage.distributed import DistributedAccelerator
-from cardcage.environments import ClusterEnvironment, env_int
+from cardcage.sdk import (
+    Accelerator,
+    Availability,
+    ClusterEnvironment,
+    DistributedAccelerator,
+    MisconfigurationError,
+    Rule,
+    SelectionContext,
+    distributed_availability,
+    env_int,
+    hookimpl,
+)
 
 # --8<-- [start:environment]
 JSRUN_VARIABLES = ("LSB_JOBID", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK")
@@ -152,12 +159,12 @@ class LSFAccelerator(DistributedAccelerator):
 
 
 # --8<-- [start:hooks]
-@cardcage.hookimpl
+@hookimpl
 def cardcage_accelerators() -> list[type[Accelerator]]:
     return [LSFAccelerator]
 
 
-@cardcage.hookimpl
+@hookimpl
 def cardcage_cluster_environments() -> list[type[ClusterEnvironment]]:
     return [LSFEnvironment]
 

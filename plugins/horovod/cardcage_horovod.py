@@ -1,77 +1,48 @@
 """The horovod backend: Horovod's DistributedOptimizer, one process per rank.
 
-Two ways to run it:
+Started by horovodrun or mpirun (rule 100), every process trains as its Horovod rank. Under
+plain ``python``, ``Trainer(distributed_backend="horovod", num_processes=N)`` starts the N
+workers itself through Horovod's Gloo runner (``horovod.run``) and takes rank 0's state back,
+as ``ddp_spawn`` does; ``num_processes=1`` trains in the calling process.
 
-- **started by horovodrun or mpirun** (rule 100: ``HOROVOD_RANK`` or ``OMPI_COMM_WORLD_RANK``
-  in the environment): every process trains as its Horovod rank, whatever backend was named;
-- **``Trainer(distributed_backend="horovod", num_processes=N)`` under plain ``python``**: the
-  calling process starts the N workers itself through Horovod's own Gloo runner
-  (``horovod.run``), and rank 0's weights come back into the caller's model, as with
-  ``ddp_spawn``. ``num_processes=1`` trains in the calling process (a Horovod job of one).
-
-What each rank does (Lightning 1.0's HorovodAccelerator, with its bugs fixed):
-
-- ``hvd.init()``; on GPUs the process is pinned to the GPU of its local rank;
-- rank 0's parameters and buffers are broadcast to every rank, and so are the optimizers'
-  state (or, when they have none yet, their hyperparameters: Horovod's
-  ``broadcast_optimizer_state`` would first take a step with zero gradients to create state,
-  which advances Adam's step count and applies weight decay once);
-- the learning rate of every parameter group (and the schedulers' ``base_lrs``) is multiplied
-  by ``hvd.size()``, as the seed did; ``CARDCAGE_HOROVOD_SCALE_LR=0`` (or a subclass with
-  ``scale_lr = False``) keeps the learning rate ``configure_optimizers`` set;
-- each optimizer is wrapped in ``hvd.DistributedOptimizer`` with the model's parameter names;
-  gradients are averaged right after ``backward`` (``optimizer.synchronize()``), so that a
-  model's ``on_after_backward`` (gradient clipping, at precision 16 after unscaling) sees the
-  averaged gradients, and the step runs under ``optimizer.skip_synchronize()`` (through the
-  grad scaler at precision 16);
-- data is sharded by a ``DistributedSampler`` on the Horovod rank (``replace_sampler_ddp``);
-- every epoch ends with ``hvd.join()``: a rank that ran out of batches early serves the
-  others' allreduces with zeros instead of deadlocking, and when the ranks had uneven
-  numbers of batches the weights and optimizer state of the rank that trained most are
-  broadcast so that all ranks continue identical;
-- ``barrier``, ``broadcast`` and ``reduce`` go through Horovod.
-
-Discovery never imports horovod: ``availability`` looks for the module first and imports
-``horovod.torch`` only when asked whether it can run.
+Each rank is Lightning 1.0's HorovodAccelerator with its bugs fixed: rank 0's weights and
+optimizers broadcast without Horovod's zero-gradient step, the learning rates multiplied by
+``hvd.size()`` (``CARDCAGE_HOROVOD_SCALE_LR=0`` keeps them), gradients averaged right after
+``backward`` so that ``on_after_backward`` sees them, and ``hvd.join()`` at every epoch's end
+for ranks with uneven data. The README says why each of these is done the way it is.
+Discovery never imports horovod.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.machinery
-import importlib.util
 import logging
 import os
 import re
-import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from cardcage.sdk import (
-    ERROR_FILE,
     Accelerator,
     Availability,
     InProcessLauncher,
     Launcher,
     MisconfigurationError,
-    RankFailedError,
     Resolution,
     Rule,
     SelectionContext,
     Trainer,
     WorkerLauncher,
-    cpu_threads_per_process,
-    fail,
-    first_recorded,
+    convert_batchnorm,
+    env_switch,
     hookimpl,
-    pickle_job,
-    run_worker,
+    import_engine,
+    run_started_worker,
+    share_cpu_threads,
 )
 
 log = logging.getLogger("cardcage")
@@ -83,7 +54,6 @@ INSTALL = (
     "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 pip install 'cardcage[horovod]'"
 )
 SCALE_LR = "CARDCAGE_HOROVOD_SCALE_LR"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _hvd() -> Any:
@@ -134,18 +104,14 @@ class HorovodAccelerator(Accelerator):
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:
-        if importlib.util.find_spec("horovod") is None:
-            return Availability(False, "horovod is not installed", INSTALL)
-        try:
-            hvd = _hvd()
-        except Exception as error:  # a build without PyTorch support fails to import
-            return Availability(
-                False,
-                f"horovod is installed, but horovod.torch cannot be imported ({error}): Horovod "
-                f"was built without PyTorch support or against another torch than "
-                f"{torch.__version__}",
-                INSTALL,
-            )
+        hvd, found = import_engine(
+            "horovod.torch",
+            INSTALL,
+            "Horovod was built without PyTorch support or against another torch than "
+            + torch.__version__,
+        )
+        if hvd is None:
+            return found
         gloo, mpi = bool(hvd.gloo_built()), bool(hvd.mpi_built())
         if not (gloo or mpi):
             return Availability(
@@ -216,6 +182,7 @@ class HorovodAccelerator(Accelerator):
     # -- each rank ------------------------------------------------------------------------
 
     def setup_process(self, trainer: Trainer) -> None:
+        """``hvd.init()``, this rank's device (or share of the cores), rank 0's weights."""
         hvd = _hvd()
         hvd.init()
         self.global_rank, self.local_rank = hvd.rank(), hvd.local_rank()
@@ -224,11 +191,9 @@ class HorovodAccelerator(Accelerator):
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         elif self.local_world_size > 1:
-            threads = cpu_threads_per_process(self.local_world_size)
-            if threads is not None:
-                torch.set_num_threads(threads)
+            share_cpu_threads(self.local_world_size, self.local_rank)
         if trainer.flags.sync_batchnorm:
-            trainer.model = convert_sync_batchnorm(trainer.model, hvd)
+            trainer.model = convert_batchnorm(trainer.model, hvd.SyncBatchNorm)
         trainer.model.to(self.device)
         super().setup_process(trainer)
         if self.device.type == "cuda":
@@ -237,41 +202,30 @@ class HorovodAccelerator(Accelerator):
         hvd.broadcast_parameters(trainer.model.state_dict(), root_rank=0)
 
     def setup_optimizers(self, trainer: Trainer) -> None:
+        """Scale the learning rates, then give every optimizer rank 0's settings and wrap
+        it in ``hvd.DistributedOptimizer`` (its schedulers follow it)."""
         hvd = _hvd()
-        optimization = trainer.optimization
         size = hvd.size()
         if self.scale_lr_by_size and size > 1:
-            for optimizer in optimization.optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] = group["lr"] * size
-                    if "initial_lr" in group:
-                        group["initial_lr"] = group["initial_lr"] * size
-            for scheduler in optimization.schedulers:
-                if getattr(scheduler, "base_lrs", None) is not None:
-                    scheduler.base_lrs = [lr * size for lr in scheduler.base_lrs]
+            trainer.optimization.scale_learning_rates(size)
             if self.global_rank == 0:
                 log.info(
-                    "cardcage: horovod multiplied the learning rates by %d processes "
-                    "(%s=0 keeps them)",
+                    "cardcage: horovod multiplied the learning rates by %d processes (%s=0 "
+                    "keeps them)",
                     size,
                     SCALE_LR,
                 )
         model = self.unwrapped_model(trainer)
-        wrapped = {}
-        for optimizer in optimization.optimizers:
+
+        def distributed(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             broadcast_optimizer(hvd, optimizer, root_rank=0)
-            wrapped[id(optimizer)] = hvd.DistributedOptimizer(
-                optimizer, named_parameters=named_parameters(model, optimizer)
+            named = named_parameters(model, optimizer)
+            wrapped: torch.optim.Optimizer = hvd.DistributedOptimizer(
+                optimizer, named_parameters=named
             )
-        # Schedulers move to the wrapper: it starts with the user's parameter-group dicts, but
-        # loading a state (resume, the uneven-data broadcast) replaces them.
-        for scheduler in optimization.schedulers:
-            distributed = wrapped.get(id(getattr(scheduler, "optimizer", None)))
-            if distributed is not None:
-                scheduler.optimizer = distributed
-                track_steps(distributed)
-        optimization.optimizers = list(wrapped.values())
-        self.distributed_optimizers = list(wrapped.values())
+            return wrapped
+
+        self.distributed_optimizers = trainer.optimization.wrap(distributed)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward, then wait for the averaged gradients of every optimizer."""
@@ -282,10 +236,7 @@ class HorovodAccelerator(Accelerator):
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step on the gradients ``backward`` already averaged (through the grad scaler)."""
         skip = getattr(optimizer, "skip_synchronize", None)
-        if skip is None:
-            self.precision.step(optimizer)
-            return
-        with skip():
+        with skip() if skip is not None else contextlib.nullcontext():
             self.precision.step(optimizer)
 
     def on_epoch_end(self, trainer: Trainer) -> None:
@@ -311,6 +262,15 @@ class HorovodAccelerator(Accelerator):
                 ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)),
                 source,
             )
+
+    def teardown(self, trainer: Trainer) -> None:
+        """Drop the gradient hooks of this fit's DistributedOptimizers. Horovod keeps no
+        handle to remove them, so they live as long as the gradient nodes it holds; a later
+        fit of the same parameters in this process (under horovodrun) would otherwise
+        allreduce every gradient twice under one name."""
+        for optimizer in self.distributed_optimizers:
+            optimizer._grad_accs.clear()
+        self.distributed_optimizers = []
 
     def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1 and _initialized():
@@ -351,18 +311,9 @@ class HorovodAccelerator(Accelerator):
 
 def scale_lr_setting(env: Mapping[str, str], default: bool = True) -> bool:
     """Whether to multiply learning rates by ``hvd.size()``: ``CARDCAGE_HOROVOD_SCALE_LR``."""
-    raw = env.get(SCALE_LR, "").strip()
-    if not raw:
-        return default
-    if raw.lower() in _TRUE:
-        return True
-    if raw.lower() in _FALSE:
-        return False
-    raise MisconfigurationError(
-        f"environment variable {SCALE_LR}={raw!r} is not valid: set it to 1 to multiply the "
-        "learning rates by the number of Horovod processes (the default), or 0 to keep the "
-        "learning rates configure_optimizers() set."
-    )
+    on = "multiply the learning rates by the number of Horovod processes (the default)"
+    off = "keep the learning rates configure_optimizers() set"
+    return env_switch(env, SCALE_LR, default, on, off)
 
 
 def _initialized() -> bool:
@@ -382,22 +333,6 @@ def named_parameters(
     return named
 
 
-def track_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer``'s steps the way a torch LR scheduler marks those of the optimizer it
-    was built with, so that its "scheduler stepped before the optimizer" check holds."""
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    @functools.wraps(step)
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked  # type: ignore[method-assign]
-
-
 def broadcast_optimizer(hvd: Any, optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Make ``optimizer`` equal to rank ``root_rank``'s: its state, or its hyperparameters
     while it has no state yet (without the zero-gradient step Horovod would take)."""
@@ -410,118 +345,45 @@ def broadcast_optimizer(hvd: Any, optimizer: torch.optim.Optimizer, root_rank: i
         group.update(chosen)
 
 
-def convert_sync_batchnorm(module: torch.nn.Module, hvd: Any) -> torch.nn.Module:
-    """``module`` with every batch-norm layer replaced by ``hvd.SyncBatchNorm``."""
-    converted = module
-    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-        converted = hvd.SyncBatchNorm(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-        )
-        converted.load_state_dict(module.state_dict())
-        converted.train(module.training)
-    for name, child in module.named_children():
-        converted.add_module(name, convert_sync_batchnorm(child, hvd))
-    return converted
-
-
 # -- launching workers without horovodrun -------------------------------------------------------
 
 
 class HorovodRunLauncher(WorkerLauncher):
     """``num_processes`` Horovod workers on this machine through ``horovod.run``.
 
-    A worker that raises leaves its traceback in an error file and exits at once; Horovod's
-    runner then stops the others (SIGTERM, SIGKILL after 5 s) and this raises
-    :class:`~cardcage.sdk.RankFailedError` naming the rank and its traceback.
+    The workers do not run the caller's script: the trainer travels by cloudpickle, classes
+    of ``__main__`` and of modules they cannot import by name by value. A worker that raises
+    records its traceback and exits at once; Horovod's runner then stops the others.
     """
 
+    pickle_by_value = True
     unpicklable_hint = (
         "or start the job with `horovodrun -np N python train.py`, which runs your script in "
         "every process instead"
     )
 
-    def pickle(self, trainer: Trainer) -> bytes:
-        """cloudpickle (a Horovod dependency), which writes plain pickle data: tensors are
-        copied. Horovod's workers do not run the caller's script, so classes defined there
-        (``__main__``) or in a module they could not import by name travel by value."""
-        import cloudpickle
-
-        by_value = _modules_by_value(trainer)
-        for module in by_value:
-            cloudpickle.register_pickle_by_value(module)
-        try:
-            return pickle_job(
-                trainer, cloudpickle.dumps, self.describe(trainer), self.unpicklable_hint
-            )
-        finally:
-            for module in by_value:
-                cloudpickle.unregister_pickle_by_value(module)
-
     def describe(self, trainer: Trainer) -> str:
         return "distributed_backend='horovod' with num_processes > 1"
+
+    def exit_code(self, error: Exception) -> int:
+        """The failed worker's exit status, as Horovod's runner reports it."""
+        code = re.search(r"Exit code: (-?\d+)", str(error))
+        return int(code.group(1)) if code else 1
 
     def start_workers(self, payload: bytes, folder: Path) -> None:
         import horovod
 
         count = self.accelerator.selection.num_processes
         gloo = bool(_hvd().gloo_built())
-        # horovod.run installs SIGINT/SIGTERM handlers of its own (to stop its workers); they
-        # must not outlive the run.
-        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            horovod.run(
-                _worker,
-                args=(payload, list(sys.path), str(folder)),
-                num_proc=count,
-                hosts=f"localhost:{count}",
-                use_gloo=gloo,
-                use_mpi=not gloo,
-                disable_cache=True,  # writes nothing under ~/.horovod
-            )
-        except Exception as error:
-            recorded = first_recorded(folder)
-            if recorded is None:
-                raise
-            code = re.search(r"Exit code: (-?\d+)", str(error))
-            raise RankFailedError(
-                recorded[0], int(code.group(1)) if code else 1, recorded[1]
-            ) from None
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-
-
-def _modules_by_value(trainer: Trainer) -> list[ModuleType]:
-    """Modules of the model's and the data's classes that a worker cannot import by name."""
-    loaders = [trainer.train_dataloader, *trainer.val_dataloaders]
-    objects = [trainer.model, *loaders, *(getattr(loader, "dataset", None) for loader in loaders)]
-    found: list[ModuleType] = []
-    for obj in objects:
-        module = sys.modules.get(type(obj).__module__)
-        if module is None or module.__name__ == "__main__" or module in found:
-            continue
-        top = module.__name__.partition(".")[0]
-        if top in sys.builtin_module_names:
-            continue
-        if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
-            found.append(module)
-    return found
-
-
-def _worker(payload: bytes, path: list[str], folder: str) -> None:  # returns to horovod.run
-    """One Horovod worker: train; local rank 0 leaves the results in ``folder``."""
-    sys.path.extend(entry for entry in path if entry not in sys.path)
-    os.environ[ERROR_FILE] = str(Path(folder) / f"rank-{os.environ.get('HOROVOD_RANK', '0')}.txt")
-    try:
-        run_worker(payload, folder)
-    except BaseException as error:
-        # Leave at once: the other ranks are stuck in a collective with this one, and a
-        # normal interpreter exit would wait for Horovod's shutdown with them.
-        fail(error)
+        horovod.run(
+            run_started_worker,  # local rank 0 leaves the results in folder
+            args=(payload, str(folder), list(sys.path), "HOROVOD_RANK"),
+            num_proc=count,
+            hosts=f"localhost:{count}",
+            use_gloo=gloo,
+            use_mpi=not gloo,
+            disable_cache=True,  # writes nothing under ~/.horovod
+        )
 
 
 @hookimpl

@@ -1,27 +1,12 @@
 """The tpu backend: torch-xla on TPU cores, or on XLA's CPU device with ``PJRT_DEVICE=CPU``.
 
-``tpu_cores`` keeps Lightning 1.0's three meanings, placed on today's PJRT runtime:
-
-- ``1``: one core. Training runs in this process on the first XLA device (``xla:0``), set up
-  the way ``xmp.spawn(fn, nprocs=1)`` sets up its single process (on a TPU, one chip).
-- ``[k]`` (k in 1..8): core k. Training runs in this process on ``xla:{k-1}``. Lightning 1.0's
-  XRT runtime named the host ``xla:0`` and the eight cores ``xla:1`` to ``xla:8``; PJRT counts
-  devices from 0, so core k is device k-1.
-- ``8``: every core of this host. ``xmp.spawn`` starts the replicas (a process per chip; on
-  v2/v3 chips, a thread per core inside it; on XLA's CPU device, a thread per
-  ``CPU_NUM_DEVICES``); the job's world size is the number of devices PJRT reports, 8 on a
-  v2-8, v3-8 or v5litepod-8, 4 on a v4-8. Rank 0's weights come back to the caller.
-
-On XLA's CPU device the replicas of ``tpu_cores=8`` are threads of one process, one per
-``CPU_NUM_DEVICES``. XLA:CPU matches the two halves of an all-reduce by the id of the compiled
-module, so replicas that compile the same step at the same time never meet. The step barrier
-here therefore lets one thread compile at a time (the others then find the program in the
-cache) and lines the threads up after every step, and the launch sets
-``PJRT_CPU_ASYNC_CLIENT=0`` (the asynchronous CPU client dead-locks such all-reduces).
-
-Discovery never imports torch_xla. ``availability`` checks the torch/torch-xla pairing before
-importing it, and asks for a device without starting XLA's runtime (which ``xmp.spawn``
-requires to be untouched in the launching process).
+``tpu_cores`` keeps Lightning 1.0's three meanings on today's PJRT runtime: ``1`` trains in
+this process on ``xla:0`` (set up by ``xmp.spawn(fn, nprocs=1)``); ``[k]`` trains in this
+process on core k, PJRT's device ``xla:{k-1}``; ``8`` trains a replica on every XLA device of
+this host (``xmp.spawn``) and takes rank 0's state back. On XLA's CPU device the replicas are
+threads of one process, which compile one at a time and line up after every step (the
+README says why). Discovery never imports torch_xla, and ``availability`` never starts XLA's
+runtime.
 """
 
 from __future__ import annotations
@@ -32,7 +17,9 @@ import importlib.util
 import logging
 import os
 import pickle
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,6 +41,7 @@ from cardcage.sdk import (
     init_timeout,
     move_to,
     run_worker,
+    write_error_file,
 )
 
 log = logging.getLogger("cardcage")
@@ -419,17 +407,14 @@ class TPUAccelerator(Accelerator):
         self.step_barrier()
         return total.reshape(tensor.shape)
 
-    def gather_state(self, trainer: Any) -> dict[str, Any] | None:
-        # Every replica holds the same weights: only the first of each host moves them to
-        # the CPU (the writer of checkpoints and of the results handed back).
-        return super().gather_state(trainer) if self.local_rank == 0 else None
-
     def portable(self, obj: T) -> T:
         return _to_cpu(obj) if self.device.type == "xla" else obj
 
     def teardown(self, trainer: Any) -> None:
         import torch_xla.core.xla_model as xm
 
+        if sys.exc_info()[0] is not None:
+            return  # training failed here: the peers will never reach the step barrier
         self.step_barrier()
         xm.wait_device_ops()
 
@@ -488,8 +473,20 @@ class XmpLauncher(WorkerLauncher):
 
 
 def _replica(index: int, payload: bytes, folder: str) -> None:
-    """One replica of a multi-core job: train; the first of the host leaves the results."""
-    run_worker(payload, folder, before_fit=_mark_replicated)
+    """One replica of a multi-core job: train; the first of the host leaves the results.
+
+    A replica that fails says so at once, in its error file and on stderr: its peers wait
+    for it in a collective, and XLA may end the whole process before the error surfaces.
+    """
+    try:
+        run_worker(payload, folder, before_fit=_mark_replicated)
+    except BaseException as error:
+        import torch_xla.runtime as xr
+
+        write_error_file(error, Path(folder) / f"rank-{xr.global_ordinal()}.txt")
+        traceback.print_exception(type(error), error, error.__traceback__)
+        sys.stderr.flush()
+        raise
 
 
 def _mark_replicated(trainer: Trainer) -> None:

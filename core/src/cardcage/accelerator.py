@@ -16,6 +16,8 @@ once and then its ``train(trainer)`` once, in the process that called ``fit``.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -35,6 +37,7 @@ __all__ = [
     "Rule",
     "cuda_availability",
     "distributed_availability",
+    "import_engine",
     "move_to",
 ]
 
@@ -208,6 +211,24 @@ class Accelerator(Strategy):
     def make_launcher(self) -> Launcher:
         """The launcher for this job: ``launcher(self)`` unless a subclass chooses."""
         return self.launcher(self)
+
+
+def import_engine(module: str, hint: str, broken: str = "") -> tuple[Any, Availability]:
+    """Import a backend's engine for ``availability``: ``(module, available)``, or
+    ``(None, why not)``.
+
+    Looks for the top-level package first (``<package> is not installed``, with ``hint``),
+    then imports ``module``; an import failure is the reason, followed by ``broken`` (what
+    usually causes it: a build for another torch, say).
+    """
+    package = module.partition(".")[0]
+    if importlib.util.find_spec(package) is None:
+        return None, Availability(False, f"{package} is not installed", hint)
+    try:
+        return importlib.import_module(module), Availability(True)
+    except Exception as error:
+        reason = f"{package} is installed, but {module} cannot be imported ({error})"
+        return None, Availability(False, f"{reason}: {broken}" if broken else reason, hint)
 
 
 def cuda_availability(ctx: SelectionContext) -> Availability:

@@ -148,7 +148,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_new_plugin_arguments(parser: argparse.ArgumentParser) -> None:
-    from cardcage.scaffold import DEFAULT_ORDER
+    from cardcage.scaffold import DEFAULT_ORDER, DISTRIBUTED_ORDER
 
     parser.add_argument("name", metavar="NAME", help="the backend name, e.g. acme or my_npu")
     parser.add_argument(
@@ -157,8 +157,9 @@ def add_new_plugin_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--order",
         type=int,
-        default=DEFAULT_ORDER,
-        help=f"the order of the backend's rule (default: {DEFAULT_ORDER})",
+        default=None,
+        help=f"the order of the backend's rule (default: {DEFAULT_ORDER}, or "
+        f"{DISTRIBUTED_ORDER} with --distributed)",
     )
     parser.add_argument(
         "--distributed",

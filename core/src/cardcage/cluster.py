@@ -38,6 +38,28 @@ def env_int(env: Mapping[str, str], name: str, default: int | None = None) -> in
         ) from None
 
 
+def env_switch(
+    env: Mapping[str, str], name: str, default: bool, on: str = "", off: str = ""
+) -> bool:
+    """A 1/0 environment variable (also true/false, yes/no, on/off), or ``default`` when
+    unset or empty; anything else is an error saying what 1 (``on``) and 0 (``off``) do."""
+    raw = env.get(name, "")
+    word = raw.strip().lower()
+    if not word:
+        return default
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise MisconfigurationError(
+        f"environment variable {name}={raw!r} is not valid: set it to 1"
+        + (f" to {on}" if on else "")
+        + ", or 0"
+        + (f" to {off}" if off else "")
+        + "."
+    )
+
+
 def require_int(env: Mapping[str, str], name: str, default: int) -> int:
     """:func:`env_int` for a variable that always has a value (``default`` when unset)."""
     value = env_int(env, name, default)

@@ -13,8 +13,9 @@ per optimizer; otherwise it is called once and every optimizer steps.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,55 @@ class Optimization:
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[Any] = field(default_factory=list)
     per_optimizer_steps: bool = False  # training_step takes optimizer_idx
+
+    def wrap(
+        self, wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]
+    ) -> list[torch.optim.Optimizer]:
+        """Replace every optimizer with ``wrap(optimizer)`` and return the wrappers.
+
+        For a backend whose optimizer wrapper (Horovod's ``DistributedOptimizer``) is a new
+        object: each learning-rate scheduler moves to its optimizer's wrapper, which keeps it
+        driving the learning rates after a state is loaded into the wrapper (a resume replaces
+        the parameter-group dicts the two shared), and the wrapper's steps are marked the way
+        a scheduler marks its optimizer's, so that torch's "scheduler stepped before the
+        optimizer" check holds.
+        """
+        wrapped = {id(optimizer): wrap(optimizer) for optimizer in self.optimizers}
+        for scheduler in self.schedulers:
+            target = wrapped.get(id(getattr(scheduler, "optimizer", None)))
+            if target is not None:
+                scheduler.optimizer = target
+                _mark_steps(target)
+        self.optimizers = list(wrapped.values())
+        return list(self.optimizers)
+
+    def scale_learning_rates(self, factor: float) -> None:
+        """Multiply every learning rate by ``factor``: each parameter group's ``lr`` (and
+        ``initial_lr``, which schedulers start from) and the schedulers' ``base_lrs``."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * factor
+                if "initial_lr" in group:
+                    group["initial_lr"] = group["initial_lr"] * factor
+        for scheduler in self.schedulers:
+            if getattr(scheduler, "base_lrs", None) is not None:
+                scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+
+def _mark_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer``'s steps as a torch LR scheduler marks those of the optimizer it
+    was built with (``_opt_called``), unless they are marked already."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = marked  # type: ignore[method-assign]
 
 
 def check_model(model: object, *, needs: str = "training_step") -> None:

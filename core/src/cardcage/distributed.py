@@ -29,7 +29,12 @@ if TYPE_CHECKING:
 
     from cardcage.protocol import TrainerProtocol as Trainer
 
-__all__ = ["DistributedAccelerator", "cpu_threads_per_process", "distributed_loader"]
+__all__ = [
+    "DistributedAccelerator",
+    "cpu_threads_per_process",
+    "distributed_loader",
+    "share_cpu_threads",
+]
 
 log = logging.getLogger("cardcage")
 T = TypeVar("T")
@@ -40,6 +45,24 @@ def cpu_threads_per_process(local_world_size: int) -> int | None:
     if "OMP_NUM_THREADS" in os.environ:
         return None
     return max(1, (os.cpu_count() or 1) // max(local_world_size, 1))
+
+
+def share_cpu_threads(local_world_size: int, local_rank: int) -> None:
+    """Give this process its share of the cores as torch threads (``torch.set_num_threads``),
+    so that the processes of a node do not oversubscribe them; with ``OMP_NUM_THREADS`` set,
+    leave the user's choice. Local rank 0 logs the share."""
+    threads = cpu_threads_per_process(local_world_size)
+    if threads is None:
+        return
+    torch.set_num_threads(threads)
+    if local_rank == 0:
+        log.info(
+            "cardcage: %d torch thread(s) per process (%d cores, %d local processes); set "
+            "OMP_NUM_THREADS to choose",
+            threads,
+            os.cpu_count() or 1,
+            local_world_size,
+        )
 
 
 class DistributedAccelerator(Accelerator):
@@ -125,17 +148,7 @@ class DistributedAccelerator(Accelerator):
             torch.cuda.set_device(self.device)
             self.moves_batches = True
         else:
-            threads = cpu_threads_per_process(self.local_world_size)
-            if threads is not None:
-                torch.set_num_threads(threads)
-                if self.local_rank == 0:
-                    log.info(
-                        "cardcage: %d torch thread(s) per process (%d cores, %d local "
-                        "processes); set OMP_NUM_THREADS to choose",
-                        threads,
-                        os.cpu_count() or 1,
-                        self.local_world_size,
-                    )
+            share_cpu_threads(self.local_world_size, self.local_rank)
         self.init_process_group()
         model = trainer.model
         if trainer.flags.sync_batchnorm:

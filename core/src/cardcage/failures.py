@@ -15,9 +15,10 @@ from pathlib import Path
 ERROR_FILE = "CARDCAGE_ERROR_FILE"
 
 
-def write_error_file(error: BaseException) -> None:
-    """Record this rank's traceback (and when it failed) for the launcher's report."""
-    path = os.environ.get(ERROR_FILE)
+def write_error_file(error: BaseException, path: str | os.PathLike[str] | None = None) -> None:
+    """Record this rank's traceback (and when it failed) for the launcher's report, in
+    ``path`` (default: ``CARDCAGE_ERROR_FILE``; replicas that are threads name their own)."""
+    path = path or os.environ.get(ERROR_FILE)
     if not path:
         return
     with contextlib.suppress(OSError):

@@ -28,6 +28,9 @@ from cardcage.errors import MisconfigurationError
 #: The default order of the new backend's rule: after a single GPU (600), before the CPU
 #: fallback (1000).
 DEFAULT_ORDER = 700
+#: The default order of a distributed backend's rule: after several GPUs (400), before
+#: ddp_spawn's claim on several CPU processes (500), which would otherwise take its jobs.
+DISTRIBUTED_ORDER = 450
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
 MAX_NAME_LENGTH = 24
 #: Names the shipped backends use (canonical names, aliases and entry-point names), and
@@ -86,12 +89,16 @@ def _installed_plugin(name: str) -> str | None:
     return None
 
 
-def plugin_names(name: str, order: int = DEFAULT_ORDER, distributed: bool = False) -> PluginNames:
+def plugin_names(name: str, order: int | None = None, distributed: bool = False) -> PluginNames:
     """Check ``name`` and ``order`` and derive the plugin's names.
 
-    Raises :class:`~cardcage.MisconfigurationError` for a name that is not a lower-case
-    identifier, a shipped backend's name, or an installed plugin's, and for an order below 1.
+    ``order`` defaults to :data:`DEFAULT_ORDER`, or :data:`DISTRIBUTED_ORDER` for a
+    distributed backend. Raises :class:`~cardcage.MisconfigurationError` for a name that is
+    not a lower-case identifier, a shipped backend's name, or an installed plugin's, and for
+    an order below 1.
     """
+    if order is None:
+        order = DISTRIBUTED_ORDER if distributed else DEFAULT_ORDER
     for prefix in ("cardcage-", "cardcage_"):
         if name.startswith(prefix) and len(name) > len(prefix):
             raise MisconfigurationError(
@@ -121,8 +128,9 @@ def plugin_names(name: str, order: int = DEFAULT_ORDER, distributed: bool = Fals
         raise MisconfigurationError(
             f"--order={order!r} is not a rule order: use a positive integer. Rules run in "
             "ascending order (horovod 100, tpu 200, ddp 300, ddp_spawn 400 and 500, gpu 600, "
-            f"cpu 1000); the default, {DEFAULT_ORDER}, comes after a single GPU and before "
-            "the CPU fallback."
+            f"cpu 1000); the default, {DEFAULT_ORDER}, comes after a single GPU and before the "
+            f"CPU fallback, and with --distributed, {DISTRIBUTED_ORDER}, before ddp_spawn's "
+            "claim on several CPU processes."
         )
     words = name.split("_")
     return PluginNames(
@@ -154,7 +162,7 @@ def render(names: PluginNames) -> dict[str, str]:
 def new_plugin(
     name: str,
     directory: str | os.PathLike[str] | None = None,
-    order: int = DEFAULT_ORDER,
+    order: int | None = None,
     distributed: bool = False,
 ) -> tuple[PluginNames, Path, list[str]]:
     """Write the distribution ``cardcage-NAME`` into ``directory``.

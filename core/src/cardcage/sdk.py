@@ -7,19 +7,22 @@ plugin imports a private name). Grouped by role:
 Registration and selection
     :data:`hookimpl`, :class:`Accelerator`, :class:`Rule`, :class:`Availability`,
     :class:`Resolution`, :class:`SelectionContext`, :class:`Selection`,
-    :func:`cuda_availability`, :func:`distributed_availability`,
-    :class:`ClusterEnvironment`, :func:`env_int`.
+    :func:`cuda_availability`, :func:`distributed_availability`, :func:`import_engine`,
+    :class:`ClusterEnvironment`, :func:`env_int`, :func:`env_switch`.
 Each training process
     :class:`Strategy` (the per-process methods every Accelerator has),
     :class:`DistributedAccelerator` (one torch.distributed rank per process),
-    :class:`StepRunner`, :func:`data_parallel_step`, :func:`distributed_loader`,
-    :func:`move_to`, :func:`cpu_threads_per_process`, :func:`gpu_memory_metrics`,
-    :class:`Precision`.
+    :class:`StepRunner`, :func:`data_parallel_step`, :func:`convert_batchnorm`,
+    :func:`distributed_loader`, :func:`move_to`, :func:`cpu_threads_per_process`,
+    :func:`share_cpu_threads`, :func:`gpu_memory_metrics`, :class:`Precision`,
+    :class:`Optimization` (``trainer.optimization``: ``wrap`` the optimizers,
+    ``scale_learning_rates``).
 Process creation
     :class:`Launcher`, :class:`InProcessLauncher`, :class:`ScriptLauncher`,
     :class:`WorkerLauncher` (pickled trainer, results handed back; a subclass says how N
-    workers start), :class:`SpawnLauncher`, :func:`run_worker`, :func:`leave`,
-    :func:`fail`, :func:`pickle_job`, :func:`init_timeout`, :func:`first_recorded`.
+    workers start), :class:`SpawnLauncher`, :func:`run_worker`, :func:`run_started_worker`,
+    :func:`leave`, :func:`fail`, :func:`pickle_job`, :func:`modules_by_value`,
+    :func:`init_timeout`, :func:`first_recorded`.
 Errors
     :class:`MisconfigurationError`, :class:`RankFailedError`.
 """
@@ -33,9 +36,16 @@ from cardcage.accelerator import (
     Rule,
     cuda_availability,
     distributed_availability,
+    import_engine,
 )
+from cardcage.cluster import env_switch
+from cardcage.contract import Optimization
 from cardcage.devices import gpu_memory_metrics
-from cardcage.distributed import DistributedAccelerator, cpu_threads_per_process
+from cardcage.distributed import (
+    DistributedAccelerator,
+    cpu_threads_per_process,
+    share_cpu_threads,
+)
 from cardcage.environments import ClusterEnvironment, env_int
 from cardcage.errors import MisconfigurationError, RankFailedError
 from cardcage.failures import ERROR_FILE, first_recorded, write_error_file
@@ -47,8 +57,22 @@ from cardcage.selection import Selection, SelectionContext
 from cardcage.spec import hookimpl
 from cardcage.strategy import Strategy, move_to
 from cardcage.trainer import Trainer
-from cardcage.workers import SpawnLauncher, WorkerLauncher, fail, leave, pickle_job, run_worker
-from cardcage.wrappers import StepRunner, data_parallel_step, reduce_replica_outputs
+from cardcage.workers import (
+    SpawnLauncher,
+    WorkerLauncher,
+    fail,
+    leave,
+    modules_by_value,
+    pickle_job,
+    run_started_worker,
+    run_worker,
+)
+from cardcage.wrappers import (
+    StepRunner,
+    convert_batchnorm,
+    data_parallel_step,
+    reduce_replica_outputs,
+)
 
 __all__ = [
     "ERROR_FILE",
@@ -59,6 +83,7 @@ __all__ = [
     "InProcessLauncher",
     "Launcher",
     "MisconfigurationError",
+    "Optimization",
     "Precision",
     "RankFailedError",
     "Resolution",
@@ -71,21 +96,27 @@ __all__ = [
     "Strategy",
     "Trainer",
     "WorkerLauncher",
+    "convert_batchnorm",
     "cpu_threads_per_process",
     "cuda_availability",
     "data_parallel_step",
     "distributed_availability",
     "distributed_loader",
     "env_int",
+    "env_switch",
     "fail",
     "first_recorded",
     "gpu_memory_metrics",
     "hookimpl",
+    "import_engine",
     "init_timeout",
     "leave",
+    "modules_by_value",
     "move_to",
     "pickle_job",
     "reduce_replica_outputs",
+    "run_started_worker",
     "run_worker",
+    "share_cpu_threads",
     "write_error_file",
 ]

@@ -18,21 +18,25 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import importlib
+import importlib.machinery
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 
-from cardcage.errors import MisconfigurationError
-from cardcage.failures import ERROR_FILE, write_error_file
+from cardcage.errors import MisconfigurationError, RankFailedError
+from cardcage.failures import ERROR_FILE, first_recorded, write_error_file
 from cardcage.launchers import Launcher
 from cardcage.rendezvous import (
     DEFAULT_ADDRESS,
@@ -55,14 +59,33 @@ class WorkerLauncher(Launcher):
 
     #: What else the user can do when the job cannot be pickled (ends the error message).
     unpicklable_hint = "or use distributed_backend='ddp', which re-runs your script instead"
+    #: Whether the workers import the caller's script. When they do not (``horovod.run``'s
+    #: workers), set this: the trainer is then pickled by cloudpickle (which must be
+    #: installed), with the classes of ``__main__`` and of every module the workers could
+    #: not import by name (:func:`modules_by_value`) carried by value.
+    pickle_by_value: ClassVar[bool] = False
 
     def launch(self, trainer: Trainer) -> Any:
         payload = self.pickle(trainer)
         folder = Path(tempfile.mkdtemp(prefix="cardcage-workers-"))
+        # A runner (horovod.run, say) may install SIGINT/SIGTERM handlers of its own to stop
+        # its workers; they must not outlive the run.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.start_workers(payload, folder)
             results = torch.load(folder / RESULTS, weights_only=True)
+        except RankFailedError:
+            raise
+        except Exception as error:
+            # A runner that reports a failed worker its own way: name the first failing
+            # rank with its traceback, when a worker recorded one.
+            recorded = first_recorded(folder)
+            if recorded is None:
+                raise
+            raise RankFailedError(recorded[0], self.exit_code(error), recorded[1]) from None
         finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
             shutil.rmtree(folder, ignore_errors=True)  # fit leaves no file behind
         trainer.apply_results(results)
         return None
@@ -78,8 +101,25 @@ class WorkerLauncher(Launcher):
         """
 
     def pickle(self, trainer: Trainer) -> bytes:
-        """The trainer as bytes for the workers (plain pickle: tensors are copied)."""
-        return pickle_job(trainer, pickle.dumps, self.describe(trainer), self.unpicklable_hint)
+        """The trainer as bytes for the workers (plain pickle, or cloudpickle with
+        :attr:`pickle_by_value`; both copy tensors)."""
+        setting, hint = self.describe(trainer), self.unpicklable_hint
+        if not self.pickle_by_value:
+            return pickle_job(trainer, pickle.dumps, setting, hint)
+        cloudpickle = importlib.import_module("cloudpickle")
+        by_value = modules_by_value(trainer)
+        for module in by_value:
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            return pickle_job(trainer, cloudpickle.dumps, setting, hint)
+        finally:
+            for module in by_value:
+                cloudpickle.unregister_pickle_by_value(module)
+
+    def exit_code(self, error: Exception) -> int:
+        """The exit status of the failed worker that ``error`` (raised by the runner of
+        :meth:`start_workers`) reports; 1 when it does not say."""
+        return 1
 
     def describe(self, trainer: Trainer) -> str:
         """The setting that sends the job to workers, for error messages."""
@@ -111,6 +151,26 @@ def pickle_job(trainer: Trainer, dumps: Callable[[Any], bytes], setting: str, hi
         raise
 
 
+def modules_by_value(trainer: Trainer) -> list[ModuleType]:
+    """Modules of the model's, the loaders' and the datasets' classes that a worker which
+    does not run the caller's script could not import by name (loaded from a file path, or
+    from a folder only the caller has on its path). ``__main__`` is not listed: cloudpickle
+    always carries it by value."""
+    loaders = [trainer.train_dataloader, *trainer.val_dataloaders]
+    objects = [trainer.model, *loaders, *(getattr(loader, "dataset", None) for loader in loaders)]
+    found: list[ModuleType] = []
+    for obj in objects:
+        module = sys.modules.get(type(obj).__module__)
+        if module is None or module.__name__ == "__main__" or module in found:
+            continue
+        top = module.__name__.partition(".")[0]
+        if top in sys.builtin_module_names:
+            continue
+        if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
+            found.append(module)
+    return found
+
+
 def run_worker(
     payload: bytes,
     folder: str | os.PathLike[str],
@@ -138,6 +198,20 @@ def run_worker(
             torch.save(results, stream)
         os.replace(path.with_suffix(".tmp"), path)
     return trainer
+
+
+def run_started_worker(payload: bytes, folder: str, path: list[str], rank_variable: str) -> None:
+    """A worker that a runner outside cardcage started (``horovod.run``): the caller's
+    import ``path``, an error file for the rank that ``rank_variable`` names, then
+    :func:`run_worker`. It returns to the runner; a failure leaves at once (:func:`fail`):
+    the other ranks may be stuck in a collective with this one, and a normal interpreter
+    exit would wait for the runner's shutdown with them."""
+    sys.path.extend(entry for entry in path if entry not in sys.path)
+    os.environ[ERROR_FILE] = str(Path(folder) / f"rank-{os.environ.get(rank_variable, '0')}.txt")
+    try:
+        run_worker(payload, folder)
+    except BaseException as error:
+        fail(error)
 
 
 def leave(code: int, *, destroy: bool = True) -> NoReturn:

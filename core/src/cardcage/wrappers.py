@@ -60,3 +60,24 @@ def data_parallel_step(
         return reduce_replica_outputs(output)
 
     return step
+
+
+def convert_batchnorm(module: torch.nn.Module, sync_class: Callable[..., Any]) -> torch.nn.Module:
+    """``module`` with every batch-norm layer replaced by ``sync_class`` (an engine's own
+    synchronised batch norm, built like ``torch.nn.BatchNorm1d``), weights, running
+    statistics and train/eval mode kept. torch's ``SyncBatchNorm.convert_sync_batchnorm``
+    does the same for ``torch.nn.SyncBatchNorm`` alone."""
+    converted = module
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        converted = sync_class(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+        )
+        converted.load_state_dict(module.state_dict())
+        converted.train(module.training)
+    for name, child in module.named_children():
+        converted.add_module(name, convert_batchnorm(child, sync_class))
+    return converted

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import cardcage_horovod
 import pytest
 import torch
 from cardcage_horovod import (
@@ -21,6 +20,7 @@ from cardcage_horovod import (
 
 import cardcage
 from cardcage import Availability, MisconfigurationError, plugins, select
+from cardcage.sdk import modules_by_value
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"}
 HOROVODRUN = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0"}
@@ -171,7 +171,7 @@ def test_without_horovod_availability_names_the_build_helper(
     assert "build_horovod.py --install" in availability.hint
 
 
-def test_a_module_workers_cannot_import_travels_by_value(tmp_path: Path) -> None:
+def test_a_module_horovods_workers_cannot_import_travels_by_value(tmp_path: Path) -> None:
     path = tmp_path / "loose_model.py"
     path.write_text("import torch\nclass Loose(torch.nn.Module):\n    pass\n")
     spec = importlib.util.spec_from_file_location("loose_model", path)
@@ -186,9 +186,9 @@ def test_a_module_workers_cannot_import_travels_by_value(tmp_path: Path) -> None
             train_dataloader = [torch.zeros(1)]
             val_dataloaders: list[Any] = []
 
-        assert cardcage_horovod._modules_by_value(Holder()) == [module]  # type: ignore[arg-type]
+        assert modules_by_value(Holder()) == [module]  # type: ignore[arg-type]
         Holder.model = torch.nn.Linear(1, 1)
-        assert cardcage_horovod._modules_by_value(Holder()) == []  # type: ignore[arg-type]
+        assert modules_by_value(Holder()) == []  # type: ignore[arg-type]
     finally:
         del sys.modules["loose_model"]
 

@@ -24,8 +24,8 @@ from cardcage.testing.models import (
     SCENARIO,
     UNEVEN_SAMPLES,
     VAL_SAMPLES,
+    FailingModel,
     KitModel,
-    current,
     flat,
     loader,
 )
@@ -149,14 +149,6 @@ def fail(job: Job) -> dict[str, Any]:
     return {"weights": flat(model)}
 
 
-class FailingModel(KitModel):
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        trainer = current.get("trainer")
-        if trainer is not None and trainer.accelerator.global_rank == 1 and batch_idx == 1:
-            raise RuntimeError("injected failure on rank 1 at its second step")
-        return super().training_step(batch, batch_idx)
-
-
 SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
     "sgd": sgd,
     "adam_shuffled": adam_shuffled,
@@ -170,6 +162,14 @@ SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
 }
 
 
+def _rank() -> int:
+    """This process's global rank as its launcher set it (torchrun, horovodrun, mpirun)."""
+    for name in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 0
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     job = Job(spec)
@@ -177,11 +177,12 @@ def main(argv: list[str]) -> int:
     for name in spec["scenarios"]:
         os.environ[SCENARIO] = name
         result = SCENARIOS[name](job)
-        rank = int(os.environ.get("RANK", "0"))
+        rank = _rank()
         result.update(rank=rank, pid=os.getpid())
         target = job.out / f"{name}-rank{rank}.json"
-        target.with_suffix(".tmp").write_text(json.dumps(result))
-        os.replace(target.with_suffix(".tmp"), target)
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(result))
+        os.replace(partial, target)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,15 @@ HIDDEN = 3
 #: Samples of the training data, of the validation data, and of the uneven scenarios.
 SAMPLES, VAL_SAMPLES, UNEVEN_SAMPLES = 64, 32, 71
 
-#: The trainer this process is fitting, for a model that checkpoints from a step.
-current: dict[str, Any] = {}
+
+class _Current(threading.local):
+    """The trainer this thread is fitting, for a model that checkpoints from a step (per
+    thread: XLA's replicas on the CPU are threads of one process)."""
+
+    trainer: Any = None
+
+
+current = _Current()
 
 
 def record(event: str, **details: Any) -> None:
@@ -36,7 +44,13 @@ def record(event: str, **details: Any) -> None:
     folder = os.environ.get(TRACE)
     if not folder:
         return
-    line = {"event": event, "pid": os.getpid(), "scenario": os.environ.get(SCENARIO), **details}
+    line = {
+        "event": event,
+        "pid": os.getpid(),
+        "thread": threading.get_ident(),
+        "scenario": os.environ.get(SCENARIO),
+        **details,
+    }
     with open(Path(folder) / f"trace-{os.getpid()}.jsonl", "a") as stream:
         stream.write(json.dumps(line) + "\n")
 
@@ -56,7 +70,7 @@ class Tracer:
 
     @hookimpl(wrapper=True)
     def cardcage_setup_process(self, trainer: Any, accelerator: Any) -> Generator[None, Any, Any]:
-        current["trainer"] = trainer
+        current.trainer = trainer
         result = yield
         record("setup_process", rank=accelerator.global_rank, world=accelerator.world_size)
         return result
@@ -69,7 +83,7 @@ class Tracer:
             return (yield)
         finally:
             record("teardown", rank=accelerator.global_rank)
-            current.pop("trainer", None)
+            current.trainer = None
 
 
 TRACER = Tracer()
@@ -130,7 +144,7 @@ class KitModel(torch.nn.Module):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        trainer = current.get("trainer")
+        trainer = current.trainer
         if self.save_at is not None and trainer is not None:
             step, path = self.save_at
             if trainer.global_step == step:
@@ -149,6 +163,18 @@ class KitModel(torch.nn.Module):
         record("configure_optimizers")
         optimizers, schedulers = make_optimizers(self.net, self.optimizer)
         return (optimizers, schedulers) if schedulers else optimizers
+
+
+class FailingModel(KitModel):
+    """Rank 1 raises at its second step. Defined here, not in the job script, so that
+    workers that get the script's classes by value (horovod.run's) still share ``current``
+    with the tracer."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        trainer = current.trainer
+        if trainer is not None and trainer.accelerator.global_rank == 1 and batch_idx == 1:
+            raise RuntimeError("injected failure on rank 1 at its second step")
+        return super().training_step(batch, batch_idx)
 
 
 def loader(samples: int, batch_size: int, shuffle: bool = False, drop_last: bool = False) -> Any:

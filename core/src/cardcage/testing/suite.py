@@ -71,7 +71,9 @@ class Launch:
     ``command``: ``"python"`` (the script, as a user runs it; the backend starts what it
     needs), ``"torchrun"`` (``torchrun --nproc-per-node WORLD``), ``"nodes"`` (WORLD copies
     of the script, one per node, with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``),
-    or ``"horovodrun"`` (``horovodrun -np WORLD``).
+    ``"ranks"`` (WORLD copies of the script, one per rank, as a cluster launcher such as
+    jsrun starts them: ``{rank}`` in a value of ``env`` becomes each one's rank, and
+    ``MASTER_ADDR``/``MASTER_PORT`` are set), or ``"horovodrun"`` (``horovodrun -np WORLD``).
     """
 
     flags: Mapping[str, Any]
@@ -98,12 +100,15 @@ class JobOutput:
         data: dict[str, Any] = json.loads(path.read_text())
         return data
 
-    def traces(self) -> dict[int, list[dict[str, Any]]]:
-        """``{pid: events}`` of every process that traced (callers and training processes)."""
-        found: dict[int, list[dict[str, Any]]] = {}
+    def traces(self) -> dict[str, list[dict[str, Any]]]:
+        """``{"pid/thread": events}`` of every thread that traced: callers and training
+        processes (the replicas XLA runs as threads of one process each count apart)."""
+        found: dict[str, list[dict[str, Any]]] = {}
         for path in sorted((self.out / "trace").glob("trace-*.jsonl")):
-            events = [json.loads(line) for line in path.read_text().splitlines() if line]
-            found[int(path.stem.removeprefix("trace-"))] = events
+            for line in path.read_text().splitlines():
+                if line:
+                    event = json.loads(line)
+                    found.setdefault(f"{event['pid']}/{event['thread']}", []).append(event)
         return found
 
 
@@ -128,19 +133,25 @@ def start_job(
         horovodrun = str(Path(PYTHON).parent / "horovodrun")
         command = [horovodrun, "-np", str(world), "-H", f"localhost:{world}", PYTHON, *job]
         return [harness.start(command, env, "horovodrun")]
-    if launch.command == "nodes":
+    if launch.command in ("nodes", "ranks"):
         import socket
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = str(sock.getsockname()[1])
+        meet = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        if launch.command == "nodes":
+            return [
+                harness.start([PYTHON, *job], {**env, **meet, "NODE_RANK": str(n)}, f"node {n}")
+                for n in range(world)
+            ]
         return [
             harness.start(
                 [PYTHON, *job],
-                {**env, "NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                f"node {n}",
+                {**env, **meet, **{k: v.format(rank=r) for k, v in launch.env.items()}},
+                f"rank {r}",
             )
-            for n in range(world)
+            for r in range(world)
         ]
     return [harness.start([PYTHON, *job], env, "python")]
 

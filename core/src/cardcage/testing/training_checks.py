@@ -55,14 +55,15 @@ class TrainingChecks(SuiteBase):
     """Training equivalence, lifecycle, what fit leaves, checkpoints, failures."""
 
     @pytest.fixture(scope="class")
-    def kit_job(self, launch: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobOutput]:
+    @classmethod
+    def kit_job(cls, launch: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobOutput]:
         """The kit's job for ``launch``, run once for every check of this class."""
-        self.need_training()
-        declared = self.launches[launch]
-        harness = Harness(tmp_path_factory.mktemp(f"kit-{self.backend}-{launch}"))
-        scenarios = [s for s in SCENARIOS if s not in self.skip]
+        cls.need_training()
+        declared = cls.launches[launch]
+        harness = Harness(tmp_path_factory.mktemp(f"kit-{cls.backend}-{launch}"))
+        scenarios = [s for s in SCENARIOS if s not in cls.skip]
         try:
-            yield run_job(harness, declared, scenarios, harness.root / "out", self.batch_size)
+            yield run_job(harness, declared, scenarios, harness.root / "out", cls.batch_size)
         finally:
             left = harness.cleanup()
             assert not left, f"processes left behind: {left}"
@@ -80,13 +81,13 @@ class TrainingChecks(SuiteBase):
         setup_process before configure_optimizers and one teardown."""
         traces = kit_job.traces()
         assert traces, f"nothing was traced\n{kit_job.output}"
-        for pid, events in traces.items():
+        for where, events in traces.items():
             names = [e["event"] for e in events if e["scenario"] == "adam_shuffled"]
             callers = [n for n in names if n in ("setup", "train")]
-            assert callers in ([], ["setup", "train"]), f"process {pid}: {names}"
+            assert callers in ([], ["setup", "train"]), f"process/thread {where}: {names}"
             per_process = [n for n in names if n not in ("setup", "train")]
             assert per_process in ([], ["setup_process", "configure_optimizers", "teardown"]), (
-                f"process {pid}: {names}"
+                f"process/thread {where}: {names}"
             )
         ranks = sorted(
             e["rank"]
@@ -129,7 +130,11 @@ class TrainingChecks(SuiteBase):
         try:
             output = run_job(harness, declared, ["fail"], tmp_path / "out", self.batch_size)
             assert output.returncode != 0, output.output
-            assert "injected failure on rank 1" in output.output, output.output
+            # the whole output: a long traceback of another rank may follow the failing one's
+            full = "".join(run.stdout + run.stderr for run in harness.runs)
+            assert "injected failure on rank 1" in full, output.output
+            if declared.command == "python":  # cardcage launched the workers: it names them
+                assert "RankFailedError: rank 1 " in output.output, output.output
             harness.assert_no_leftovers()
         finally:
             harness.cleanup()
