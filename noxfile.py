@@ -101,7 +101,8 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over core/src/cardcage and extensions/submit, with their dependencies."""
-    _install(session, SUBMIT_EXTENSION, tools=(TOOLS["mypy"],))
+    # pytest: cardcage.testing (the conformance kit) is a pytest plugin.
+    _install(session, SUBMIT_EXTENSION, tools=(TOOLS["mypy"], TOOLS["pytest"]))
     session.run("mypy", *session.posargs)
 
 
