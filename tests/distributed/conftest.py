@@ -12,17 +12,14 @@ and checks that the launchers left no ``cardcage-*`` folder there.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,35 +28,22 @@ from typing import Any
 
 import pytest
 
+from cardcage.testing import harness as kit_harness
+
 SCRIPTS = Path(__file__).parent / "scripts"
 JOB = SCRIPTS / "job.py"
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-MARKER = "CARDCAGE_TEST_MARKER"
+MARKER = kit_harness.MARKER
 #: Seconds a normal job may take on a loaded two-core machine (start-up dominates).
 RUN_TIMEOUT = 180.0
 #: A fault (a failing, killed or signalled rank) must end the job this fast.
 FAULT_DEADLINE = 30.0
 #: How many scenarios of a module run at once (``CARDCAGE_TEST_JOBS``).
 JOBS = int(os.environ.get("CARDCAGE_TEST_JOBS", "4"))
-#: Variables of an enclosing launcher that must not leak into the jobs a test starts.
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "OMP_NUM_THREADS",
-    "CARDCAGE_HOSTED_STORE",
-    "CARDCAGE_ERROR_FILE",
-    "CARDCAGE_GPUS",
-    "PL_TRAINER_GPUS",
-    "CUDA_VISIBLE_DEVICES",
-)
+#: Variables of an enclosing launcher that must not leak into the jobs a test starts (the
+#: kit's, and the GPUs a job may see).
+LAUNCHER_VARIABLES = (*kit_harness.LAUNCHER_VARIABLES, "CUDA_VISIBLE_DEVICES")
 
 
 def load_job_module() -> Any:
@@ -83,57 +67,16 @@ def free_port() -> int:
         return port
 
 
-def _processes_with(marker: str) -> dict[int, str]:
-    """Live (non-zombie) processes whose command line or environment holds ``marker``."""
-    found = {}
-    needle = marker.encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        base = Path("/proc") / entry
-        try:
-            stat = (base / "stat").read_text()
-            if stat.rpartition(")")[2].split()[0] in ("Z", "X"):
-                continue
-            cmdline = (base / "cmdline").read_bytes()
-            environ = (base / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in cmdline or needle in environ:
-            found[int(entry)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
-    return found
-
-
 def leftover_processes(marker: str) -> dict[int, str]:
-    """What a scan of the running processes finds for ``marker``: psutil when installed,
-    else ``/proc``."""
-    try:
-        import psutil
-    except ImportError:
-        return _processes_with(marker)
-    found = {}
-    for process in psutil.process_iter(["pid", "cmdline", "status"]):
-        if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        try:
-            cmdline = " ".join(process.info["cmdline"] or [])
-            environ = process.environ()
-        except (psutil.Error, OSError):
-            continue
-        if marker in cmdline or environ.get(MARKER) == marker:
-            found[process.pid] = cmdline
-    return found
+    """What a scan of ``/proc`` finds for ``marker`` (the conformance kit's scan)."""
+    return kit_harness.leftover_processes(marker)
 
 
 @dataclass
-class Run:
-    """A started command, its output files and, once it ended, its exit status."""
+class Run(kit_harness.Run):
+    """The kit's run, with when it started and ended (fault tests time the end)."""
 
-    name: str
-    popen: subprocess.Popen[bytes]
-    stdout_path: Path
-    stderr_path: Path
-    started: float
+    started: float = 0.0
     ended: float | None = None
 
     @property
@@ -143,14 +86,6 @@ class Run:
     @property
     def returncode(self) -> int | None:
         return self.popen.returncode
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_path.read_text(errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
 
     def wait(self, timeout: float = RUN_TIMEOUT) -> int:
         try:
@@ -184,38 +119,16 @@ class Run:
         ]
 
 
-def kill_group(popen: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a command started in its own session, and everything in that session."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signal.SIGKILL)
+kill_group = kit_harness.kill_group
 
 
 @dataclass
-class Harness:
-    """Starts a test's jobs (all marked) and checks that none of their processes survive."""
+class Harness(kit_harness.Harness):
+    """The kit's harness (marked jobs, no process or folder left behind), with this suite's
+    job script, torchrun, and readers of what the jobs left."""
 
-    root: Path
-    marker: str = field(default_factory=lambda: f"cardcage-test-{uuid.uuid4().hex}")
-    runs: list[Run] = field(default_factory=list)
-
-    def env(self, **extra: str | None) -> dict[str, str]:
-        """This environment without any launcher's variables, plus the marker and ``extra``
-        (a value of None removes the variable)."""
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-        env.update({MARKER: self.marker, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
-        env["TMPDIR"] = str(self.tmpdir)  # where the launchers' temporary folders go
-        for key, value in extra.items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = value
-        return env
-
-    @property
-    def tmpdir(self) -> Path:
-        path = self.root / "tmp"
-        path.mkdir(exist_ok=True)
-        return path
+    launcher_variables = LAUNCHER_VARIABLES
+    runs: list[Run] = field(default_factory=list)  # type: ignore[assignment]
 
     def job_args(self, out: Path, *args: str) -> list[str]:
         return [str(JOB), "--out", str(out), "--marker", self.marker, *args]
@@ -252,20 +165,6 @@ class Harness:
             f"torchrun job.py {out.name}",
         )
 
-    def assert_no_leftovers(self, grace: float = 10.0) -> None:
-        """Every process this test started is gone (after ``grace`` seconds at most)."""
-        deadline = time.monotonic() + grace
-        left = leftover_processes(self.marker)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = leftover_processes(self.marker)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        assert not left, f"processes left behind {grace:.0f}s after the job ended: {left}"
-        folders = sorted(p.name for p in self.tmpdir.glob("cardcage-*"))
-        assert not folders, f"temporary folders left behind: {folders}"
-
     # -- reading what a job left -------------------------------------------------------------
 
     @staticmethod
@@ -296,20 +195,6 @@ class Harness:
         """Final weights of a plain PyTorch loop, one process, over the unshuffled data."""
         weights: list[float] = load_job_module().reference_weights(batch_size, epochs, samples)
         return weights
-
-    def cleanup(self) -> dict[int, str]:
-        """Kill whatever is still running; return the processes that had to be killed."""
-        for run in self.runs:
-            if run.popen.poll() is None:
-                kill_group(run.popen)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            for run in self.runs:
-                run.popen.wait(timeout=10)
-        left = leftover_processes(self.marker)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        return left
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 MARKER = "CARDCAGE_TEST_MARKER"
 #: Seconds a job may take on a loaded two-core machine (start-up dominates).
@@ -114,6 +115,8 @@ class Harness:
     root: Path
     marker: str = field(default_factory=lambda: f"cardcage-test-{uuid.uuid4().hex}")
     runs: list[Run] = field(default_factory=list)
+    #: What :meth:`env` removes from this environment.
+    launcher_variables: ClassVar[tuple[str, ...]] = LAUNCHER_VARIABLES
 
     @property
     def tmpdir(self) -> Path:
@@ -124,7 +127,7 @@ class Harness:
     def env(self, **extra: str | None) -> dict[str, str]:
         """This environment without any launcher's variables, plus the marker and ``extra``
         (a value of None removes the variable)."""
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+        env = {k: v for k, v in os.environ.items() if k not in self.launcher_variables}
         env.update({MARKER: self.marker, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
         env["TMPDIR"] = str(self.tmpdir)  # where the launchers' temporary folders go
         for key, value in extra.items():
