@@ -76,7 +76,7 @@ def leftover_processes(marker: str) -> dict[int, str]:
 class Run(kit_harness.Run):
     """The kit's run, with when it started and ended (fault tests time the end)."""
 
-    started: float = 0.0
+    started: float = field(default_factory=time.monotonic)
     ended: float | None = None
 
     @property
@@ -128,27 +128,15 @@ class Harness(kit_harness.Harness):
     job script, torchrun, and readers of what the jobs left."""
 
     launcher_variables = LAUNCHER_VARIABLES
+    run_class = Run
     runs: list[Run] = field(default_factory=list)  # type: ignore[assignment]
 
     def job_args(self, out: Path, *args: str) -> list[str]:
         return [str(JOB), "--out", str(out), "--marker", self.marker, *args]
 
     def start(self, command: list[str], env: dict[str, str] | None = None, name: str = "") -> Run:
-        index = len(self.runs)
-        stdout = self.root / f"run{index}.stdout"
-        stderr = self.root / f"run{index}.stderr"
-        with stdout.open("wb") as out, stderr.open("wb") as err:
-            popen = subprocess.Popen(
-                command,
-                env=env if env is not None else self.env(),
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                cwd=self.root,
-                start_new_session=True,  # the timeout path kills the whole session
-            )
-        run = Run(name or " ".join(command[:4]), popen, stdout, stderr, time.monotonic())
-        self.runs.append(run)
+        run = super().start(command, env, name)
+        assert isinstance(run, Run)
         return run
 
     def python_job(self, out: Path, *args: str, env: dict[str, str] | None = None) -> Run:

@@ -117,6 +117,8 @@ class Harness:
     runs: list[Run] = field(default_factory=list)
     #: What :meth:`env` removes from this environment.
     launcher_variables: ClassVar[tuple[str, ...]] = LAUNCHER_VARIABLES
+    #: What :meth:`start` returns (a subclass of :class:`Run` may add to it).
+    run_class: ClassVar[type[Run]] = Run
 
     @property
     def tmpdir(self) -> Path:
@@ -151,7 +153,7 @@ class Harness:
                 cwd=self.root,
                 start_new_session=True,  # the timeout path kills the whole session
             )
-        run = Run(name or " ".join(command[:4]), popen, stdout, stderr)
+        run = self.run_class(name or " ".join(command[:4]), popen, stdout, stderr)
         self.runs.append(run)
         return run
 
