@@ -52,7 +52,7 @@ nox.options.reuse_venv = "yes"
 nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).parent
-BACKENDS = ("cpu", "gpu", "dp", "ddp", "ddp2", "spawn", "horovod", "tpu")
+BACKENDS = ("cpu", "gpu", "dp", "ddp", "ddp2", "spawn", "horovod", "tpu", "fsdp")
 
 
 def _torch_pin() -> str:
@@ -141,7 +141,7 @@ def docs(session: nox.Session) -> None:
 def slurm(session: nox.Session) -> None:
     """tests/slurm: srun, sbatch, requeue and `cardcage submit` grids on a private SLURM
     cluster the tests start."""
-    plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn")
+    plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn", "./plugins/fsdp")
     _install(session, *plugins, SUBMIT_EXTENSION, tools=(TOOLS["pytest"],))
     session.run("pytest", "tests/slurm", *session.posargs, env={"CARDCAGE_SLURM_TESTS": "1"})
 

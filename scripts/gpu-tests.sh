@@ -44,7 +44,7 @@ fi
 
 # cardcage: the core and every plugin, the way requirements-dev.txt lists them.
 projects=(core plugins/cpu plugins/gpu plugins/dp plugins/ddp plugins/ddp2 plugins/spawn
-          plugins/horovod plugins/tpu)
+          plugins/horovod plugins/tpu plugins/fsdp)
 here_check="import pathlib, sys, cardcage, cardcage_gpu, cardcage_dp
 sys.exit(not pathlib.Path(cardcage.__file__).resolve().is_relative_to(pathlib.Path('core').resolve()))"
 if "$py" -c "$here_check" >/dev/null 2>&1; then

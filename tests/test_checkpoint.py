@@ -278,6 +278,50 @@ def test_load_refuses_missing_and_foreign_files(tmp_path: Path) -> None:
         cardcage.Trainer(resume_from_checkpoint=tmp_path / "nope.ckpt")
 
 
+def test_a_folder_is_refused_as_a_sharded_checkpoint_the_default_backend_cannot_read(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "shards").mkdir()
+    with pytest.raises(cardcage.MisconfigurationError, match=r"shards.*is a folder.*backend"):
+        checkpoint.load(tmp_path / "shards")
+
+
+def test_a_backend_may_write_and_read_a_format_of_its_own(tmp_path: Path) -> None:
+    """Trainer.save_checkpoint and resume go through the backend's save_checkpoint and
+    load_checkpoint (here: a folder with the model apart from the loop's state)."""
+    from cardcage.strategy import Strategy
+
+    class Folder(Strategy):
+        def save_checkpoint(self, trainer: Any, path: Any) -> None:
+            Path(path).mkdir()
+            torch.save(self.gather_state(trainer), Path(path) / "model.pt")
+            checkpoint.save_atomic(trainer.loop_state(), Path(path) / "loop.pt")
+
+        def load_checkpoint(self, trainer: Any, path: Any) -> dict[str, Any]:
+            model = torch.load(Path(path) / "model.pt", weights_only=True)
+            return {**checkpoint.load(Path(path) / "loop.pt"), **model}
+
+    def fit(model: Net, **flags: Any) -> cardcage.Trainer:
+        trainer = cardcage.Trainer(max_epochs=2, progress_bar=False, **flags)
+        folder = Folder(trainer.selection)
+        trainer.accelerator.save_checkpoint = folder.save_checkpoint  # type: ignore[method-assign]
+        trainer.accelerator.load_checkpoint = folder.load_checkpoint  # type: ignore[method-assign]
+        trainer.fit(model, loader())
+        return trainer
+
+    torch.manual_seed(0)
+    straight = Net()
+    fit(straight)
+    torch.manual_seed(0)
+    first = fit(Net(), max_steps=5)
+    first.save_checkpoint(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["loop.pt", "model.pt"]
+    resumed = Net()
+    fit(resumed, resume_from_checkpoint=tmp_path / "ckpt")
+    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # -- a crash while writing --------------------------------------------------------------------
 
 WRITER = textwrap.dedent(

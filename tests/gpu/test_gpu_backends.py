@@ -296,3 +296,63 @@ def test_log_gpu_memory(backend: str, gpus: int) -> None:
 def test_no_gpu_memory_metrics_unless_asked() -> None:
     trainer = fit(seeded(), loader(), gpus=1)
     assert not any("memory" in key for key in trainer.logged_metrics)
+
+
+# -- fsdp -------------------------------------------------------------------------------------
+# One process (a world of one over NCCL) in this process; two GPUs through fsdp_spawn.
+
+
+@pytest.mark.gpu
+def test_fsdp_on_one_gpu_matches_a_plain_cuda_loop() -> None:
+    model = seeded()
+    trainer = fit(model, loader(False), max_epochs=2, gpus=1, distributed_backend="fsdp")
+    assert trainer.selection.accelerator == "fsdp"
+    assert torch.distributed.get_backend() == "nccl"
+    assert type(model) is Classifier
+    assert all(type(p) is torch.nn.Parameter and p.is_cuda for p in model.parameters())
+    reference = seeded()
+    device = torch.device("cuda", 0)
+    reference.to(device)
+    optimizer = reference.configure_optimizers()
+    for _ in range(2):
+        for x, y in loader(False):
+            optimizer.zero_grad()
+            reference.loss((x.to(device), y.to(device)))[0].backward()
+            optimizer.step()
+    assert_close_weights(model, reference)
+
+
+@pytest.mark.gpu
+def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights() -> None:
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    model = seeded()
+    trainer = fit(
+        model, loader(), max_epochs=4, gpus=1, precision="bf16", distributed_backend="fsdp"
+    )
+    seen = trainer.accelerator.sharded.seen  # type: ignore[attr-defined]
+    assert seen and all(s[1] == torch.bfloat16 for s in seen)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert epoch_means(trainer.losses)[-1] < epoch_means(trainer.losses)[0]
+
+
+@pytest.mark.gpu
+def test_fsdp_spawn_on_two_gpus_matches_one_process_of_the_double_batch() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    half = DataLoader(loader(False).dataset, batch_size=BATCH // 2, shuffle=False)
+    model = seeded()
+    fit(model, half, max_epochs=2, gpus=2, distributed_backend="fsdp_spawn")
+    reference = seeded()
+    plain_cuda_loop_unshuffled = [
+        (x, y) for x, y in loader(False)
+    ]  # one process sees the whole batch of BATCH
+    device = torch.device("cuda", 0)
+    reference.to(device)
+    optimizer = reference.configure_optimizers()
+    for _ in range(2):
+        for x, y in plain_cuda_loop_unshuffled:
+            optimizer.zero_grad()
+            reference.loss((x.to(device), y.to(device)))[0].backward()
+            optimizer.step()
+    assert_close_weights(model.to(device), reference)

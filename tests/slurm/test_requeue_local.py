@@ -174,6 +174,18 @@ def test_two_ranks_agree_on_the_stop_step(
     assert max_difference(tmp_path / "weights.pt", straight[2]) <= 1e-6
 
 
+def test_fsdp_requeues_through_its_gathered_state(
+    straight: dict[int, Path], tmp_path: Path
+) -> None:
+    """fsdp's requeue commit gathers the shards on every rank (its collective-safe
+    ``gather_state``); the restart loads each rank's shard and ends at ddp's weights."""
+    interrupted_then_resumed(tmp_path, 2, "--signal-step", "60", "--backend", "fsdp")
+    state = torch.load(tmp_path / f"cardcage-requeue-{JOB_ID}.ckpt", weights_only=True)
+    assert state["state_dict"]["net.0.weight"].shape == (16, 4)  # full, not a shard
+    assert state["optimizers"][0]["state"], "the momentum buffers were not gathered"
+    assert max_difference(tmp_path / "weights.pt", straight[2]) <= 1e-5
+
+
 def test_failed_requeue_keeps_the_checkpoint_and_a_first_run_ignores_it(
     straight: dict[int, Path], tmp_path: Path
 ) -> None:

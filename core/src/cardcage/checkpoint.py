@@ -87,6 +87,12 @@ def load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, A
         raise MisconfigurationError(
             f"resume_from_checkpoint={os.fspath(path)!r} does not exist."
         ) from None
+    except IsADirectoryError:
+        raise MisconfigurationError(
+            f"resume_from_checkpoint={os.fspath(path)!r} is a folder: a sharded checkpoint, "
+            "which only the backend that wrote it reads. Resume with that distributed_backend, "
+            "or give a file written by trainer.save_checkpoint."
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise MisconfigurationError(
             f"resume_from_checkpoint={os.fspath(path)!r} is not a cardcage checkpoint. Give "

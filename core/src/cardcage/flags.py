@@ -147,7 +147,7 @@ def validate_flags(**kwargs: Any) -> Flags:
             "GPUs already. Set gpus=N to let cardcage pick N GPUs, or auto_select_gpus=False."
         )
     resume = _path("resume_from_checkpoint", flags.resume_from_checkpoint)
-    if resume is not None and not os.path.isfile(resume):
+    if resume is not None and not os.path.exists(resume):
         raise MisconfigurationError(
             f"resume_from_checkpoint={resume!r} does not exist. Give the path of a "
             "checkpoint written by trainer.save_checkpoint, or None to start afresh."

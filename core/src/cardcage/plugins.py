@@ -52,6 +52,8 @@ KNOWN_BACKENDS: dict[str, str] = {
     "ddp_cpu": "cardcage-spawn",
     "horovod": "cardcage-horovod",
     "tpu": "cardcage-tpu",
+    "fsdp": "cardcage-fsdp",
+    "fsdp_spawn": "cardcage-fsdp",
 }
 
 

@@ -23,6 +23,10 @@ Process creation
     workers start), :class:`SpawnLauncher`, :func:`run_worker`, :func:`run_started_worker`,
     :func:`leave`, :func:`fail`, :func:`pickle_job`, :func:`modules_by_value`,
     :func:`init_timeout`, :func:`first_recorded`.
+Checkpoints
+    :func:`save_checkpoint_file` (atomic ``torch.save``), :func:`load_checkpoint_file`
+    (``weights_only=True``, checks the format), for a backend that overrides
+    ``Strategy.save_checkpoint``/``load_checkpoint`` with a format of its own.
 Errors
     :class:`MisconfigurationError`, :class:`RankFailedError`.
 """
@@ -38,6 +42,8 @@ from cardcage.accelerator import (
     distributed_availability,
     import_engine,
 )
+from cardcage.checkpoint import load as load_checkpoint_file
+from cardcage.checkpoint import save_atomic as save_checkpoint_file
 from cardcage.cluster import env_switch
 from cardcage.contract import Optimization
 from cardcage.devices import gpu_memory_metrics
@@ -111,12 +117,14 @@ __all__ = [
     "import_engine",
     "init_timeout",
     "leave",
+    "load_checkpoint_file",
     "modules_by_value",
     "move_to",
     "pickle_job",
     "reduce_replica_outputs",
     "run_started_worker",
     "run_worker",
+    "save_checkpoint_file",
     "share_cpu_threads",
     "write_error_file",
 ]

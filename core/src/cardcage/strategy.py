@@ -3,9 +3,9 @@
 :class:`Strategy` holds this process's place in the job (ranks, device, precision) and
 everything the core's loop asks of a backend while training: setting the process up
 (``setup_process``), adapting data, moving batches, running a step, backward and optimizer
-step, the collectives, and the state that leaves the process (``gather_state``) or enters
-it (``restore_state``). Every method has a default that trains in one process on the CPU,
-so a backend overrides only what differs.
+step, the collectives, and the state that leaves the process (``gather_state``,
+``save_checkpoint``) or enters it (``load_checkpoint``, ``restore_state``). Every method has a
+default that trains in one process on the CPU, so a backend overrides only what differs.
 
 The selection role (class-level: ``name``, ``rules``, ``availability``...) and the
 process-creation role (:mod:`cardcage.launchers`) live apart; :class:`~cardcage.Accelerator`
@@ -14,11 +14,13 @@ puts the three together.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from cardcage import checkpoint
 from cardcage.precision import Precision
 from cardcage.samplers import distributed_loader
 
@@ -164,6 +166,34 @@ class Strategy:
         optimizers = trainer.optimization.optimizers
         for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
+
+    def save_checkpoint(self, trainer: Trainer, path: str | os.PathLike[str]) -> None:
+        """Write ``trainer``'s checkpoint to ``path``; called on every rank at the same point.
+
+        The default gathers the state (``trainer.checkpoint_state()``, which calls
+        :meth:`gather_state`), global rank 0 writes it as one file, atomically, and every
+        rank waits for the file. A backend with its own format (a folder of shards, one per
+        rank) overrides this and :meth:`load_checkpoint`; ``trainer.loop_state()`` is what
+        the file holds besides the model and the optimizers.
+        """
+        state = trainer.checkpoint_state()
+        if self.is_global_zero:
+            if state is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.gather_state returned None on rank 0, which "
+                    "writes the checkpoint: return the full state there"
+                )
+            checkpoint.save_atomic(state, path)
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, trainer: Trainer, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Read the checkpoint at ``path`` on this rank, for :meth:`restore_state`.
+
+        Called on every rank after ``setup_process`` and ``configure_optimizers`` (so a
+        sharded format can load into the live shards). The default reads one file written
+        by :meth:`save_checkpoint` with ``torch.load(weights_only=True)``.
+        """
+        return checkpoint.load(path)
 
     def portable(self, obj: T) -> T:
         """``obj`` (a checkpoint, a worker's results) as ``torch.save`` should write it.

@@ -163,21 +163,15 @@ class Trainer:
         return self._evaluate(model, dataloaders, "test_step", "test_dataloader", "test")
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Write a checkpoint atomically.
+        """Write a checkpoint: one file, atomically (or the backend's own format).
 
         Call it on every rank: each gathers the state (a sharded backend's collectives), rank
-        0 writes, and every rank waits for the file.
+        0 writes, and every rank waits for the checkpoint.
         """
-        accelerator = self.accelerator
-        state = self.checkpoint_state()
-        if accelerator.is_global_zero:
-            if state is None:
-                raise RuntimeError(
-                    f"{type(accelerator).__name__}.gather_state returned None on rank 0, "
-                    "which writes the checkpoint: return the full state there"
-                )
-            checkpoint.save_atomic(state, path)
-        accelerator.barrier("save_checkpoint")
+        if self._handed_back is not None:  # the workers trained: write what they handed back
+            checkpoint.save_atomic(self.checkpoint_state() or {}, path)
+            return
+        self.accelerator.save_checkpoint(self, path)
 
     # -- what backends and the loop call ----------------------------------------------------
 
@@ -202,7 +196,7 @@ class Trainer:
         if self._requeue is not None:  # a requeued job resumes from its own checkpoint
             path = self._requeue.resume_path(path, self.accelerator.global_rank)
         if path is not None:
-            self._restore(checkpoint.load(path))
+            self._restore(self.accelerator.load_checkpoint(self, path))
         if self._requeue is not None:
             self._requeue.start(self)
 
@@ -269,10 +263,15 @@ class Trainer:
         gathered = self.accelerator.gather_state(self)
         if gathered is None:
             return None
-        state = {
+        return self.accelerator.portable({**self.loop_state(), **gathered})
+
+    def loop_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the model and the optimizers (which the backend's
+        ``gather_state`` supplies): the format, the schedulers, the grad scaler, the loop's
+        position and the random states."""
+        return {
             "format": checkpoint.FORMAT,
             "cardcage_version": __version__,
-            **gathered,
             "schedulers": [s.state_dict() for s in self.optimization.schedulers],
             "scaler": self.accelerator.precision.state_dict(),
             "epoch": self.current_epoch,
@@ -282,7 +281,6 @@ class Trainer:
             "epoch_rng": self.epoch_rng if self.batch_idx or self.in_epoch else None,
             "rng_after_fetch": self.in_epoch,
         }
-        return self.accelerator.portable(state)
 
     # -- moving between processes (ddp_spawn) -----------------------------------------------
 

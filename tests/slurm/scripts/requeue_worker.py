@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.005)
     parser.add_argument("--root", default=None)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--backend", default=None, help="distributed_backend (default: the rules)")
     args = parser.parse_args()
     if args.margin is not None:
         agreement.MARGIN_S = args.margin
@@ -69,7 +70,10 @@ def main() -> None:
     x = torch.randn(args.samples, 4, generator=generator)
     data = TensorDataset(x, (x[:, :1] - x[:, 1:2] * x[:, 2:3]).tanh())
     trainer = cardcage.Trainer(
-        num_processes=args.num_processes, max_epochs=args.epochs, default_root_dir=args.root
+        num_processes=args.num_processes,
+        max_epochs=args.epochs,
+        default_root_dir=args.root,
+        distributed_backend=args.backend,
     )
     sig = signal.Signals[f"SIG{args.signal}"]
     model = Model(args.signal_step, args.signal_rank, sig, args.step_sleep)

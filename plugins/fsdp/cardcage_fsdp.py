@@ -1,0 +1,292 @@
+"""The fsdp backend: sharded data parallel on FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each rank holds a shard of every parameter, gradient and optimizer state, and all-gathers a
+module's parameters just for its forward and backward: less memory per rank than ``ddp``,
+for more communication. One process per device (gloo on the CPU, NCCL on GPUs), started as
+``ddp``'s are (script relaunch, torchrun, SLURM), or by torch.multiprocessing as
+``fsdp_spawn``. No rule claims a job: name it. Written only against ``cardcage.sdk``, as a
+third-party backend would be; the README says why each choice was made.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cardcage.sdk import (
+    Accelerator,
+    Availability,
+    DistributedAccelerator,
+    MisconfigurationError,
+    Resolution,
+    SelectionContext,
+    SpawnLauncher,
+    Trainer,
+    distributed_availability,
+    hookimpl,
+    load_checkpoint_file,
+    save_checkpoint_file,
+)
+
+STATE_DICT = "CARDCAGE_FSDP_STATE_DICT"
+FORMATS = ("full", "sharded")
+#: The file of a sharded checkpoint's folder that holds everything but the model and optimizers.
+LOOP_FILE = "loop.pt"
+
+
+def state_dict_type(env: Mapping[str, str]) -> str:
+    """How ``save_checkpoint`` writes: ``CARDCAGE_FSDP_STATE_DICT``, ``full`` by default."""
+    value = env.get(STATE_DICT, "full").strip().lower() or "full"
+    if value not in FORMATS:
+        raise MisconfigurationError(
+            f"{STATE_DICT}={env[STATE_DICT]!r} is not a checkpoint format. Set it to 'full' "
+            "(one file of unsharded tensors, the default) or 'sharded' (a folder with a shard "
+            "per rank, written by torch.distributed.checkpoint)."
+        )
+    return value
+
+
+def shard_targets(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules that get their own ``fully_shard``, innermost first.
+
+    ``model.fsdp_modules`` names them: module classes (like Lightning's ``auto_wrap_policy``
+    set) or a predicate ``f(module) -> bool``. Without it, every direct child that holds
+    parameters. The root is sharded after them and takes the parameters left over.
+    """
+    policy = getattr(model, "fsdp_modules", None)
+    if policy is None:
+        return [c for c in model.children() if any(True for _ in c.parameters())]
+    if isinstance(policy, Iterable) and all(isinstance(c, type) for c in policy):
+        classes = tuple(policy)
+        policy = lambda module: isinstance(module, classes)  # noqa: E731
+    elif not callable(policy):
+        raise MisconfigurationError(
+            f"{type(model).__name__}.fsdp_modules={policy!r}: give module classes (for "
+            "example {TransformerBlock}) or a function of a module returning a bool."
+        )
+    chosen = [m for m in model.modules() if m is not model and policy(m)]
+    return chosen[::-1]  # innermost first: fully_shard wants the children sharded first
+
+
+def redirected(module: torch.nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``module.<name>(*args)`` run through ``module.__call__``, so that FSDP2's forward
+    hooks on the root gather its parameters first (``training_step`` is not ``forward``).
+    Inside, ``forward`` is the module's own again, for ``self(x)``."""
+    method = getattr(module, name)
+    own_forward = module.forward
+
+    def forward(*a: Any, **k: Any) -> Any:
+        module.forward = own_forward  # type: ignore[method-assign]
+        return method(*a, **k)
+
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        return module(*args, **kwargs)
+    finally:
+        module.__dict__.pop("forward", None)
+
+
+def by_position(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (``get_optimizer_state_dict``'s) as a
+    plain ``optimizer.state_dict()`` keys it: by position, so any backend can resume it."""
+    ids: dict[str, int] = {}
+    groups = [
+        {**g, "params": [ids.setdefault(n, len(ids)) for n in g["params"]]}
+        for g in state["param_groups"]
+    ]
+    return {"state": {ids[n]: v for n, v in state["state"].items()}, "param_groups": groups}
+
+
+def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`by_position` for an optimizer whose parameters are ``names``."""
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {names[i]: v for i, v in state["state"].items()}, "param_groups": groups}
+
+
+class FSDPAccelerator(DistributedAccelerator):
+    name = "fsdp"
+    rules = ()  # selected by name only: sharding is a choice of memory over speed
+
+    def __init__(self, selection: Any):
+        super().__init__(selection)
+        self.state_dict_type = state_dict_type(os.environ)  # fails before any process
+        self.user_model: torch.nn.Module | None = None
+        # The sharded copy that trains; it outlives fit, for save_checkpoint afterwards.
+        self.sharded: torch.nn.Module | None = None
+
+    @classmethod
+    def availability(cls, ctx: SelectionContext) -> Availability:
+        from torch.distributed import fsdp
+
+        if not hasattr(fsdp, "fully_shard"):
+            why = f"torch {torch.__version__} has no FSDP2 (fully_shard)"
+            return Availability(False, why, "pip install 'torch>=2.6'")
+        return distributed_availability()
+
+    @classmethod
+    def resolve(cls, ctx: SelectionContext) -> Resolution:
+        resolution = super().resolve(ctx)
+        if ctx.processes_created_outside and resolution.accelerator != "fsdp":
+            note = f"the {ctx.cluster.name} environment already created the processes, so "
+            note += f"distributed_backend={ctx.requested_as!r} runs as 'fsdp' in them."
+            return Resolution("fsdp", note)
+        return resolution
+
+    # -- each rank ------------------------------------------------------------------------
+
+    def setup_process(self, trainer: Trainer) -> None:
+        """DistributedAccelerator's setup (ranks, device, process group, placement,
+        precision), which shards a copy of the model in :meth:`wrap`; the copy trains."""
+        self.user_model = trainer.model
+        super().setup_process(trainer)
+        assert self.parallel is not None
+        trainer.model = self.parallel  # configure_optimizers then sees the sharded parameters
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A copy of ``model``, sharded; ``model`` itself gives its memory back (meta
+        tensors) until ``teardown`` loads the trained weights into it."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        low = {16: torch.float16, "bf16": torch.bfloat16}.get(self.precision.precision)
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+        sharded = copy.deepcopy(model)
+        for module in shard_targets(sharded):
+            fully_shard(module, mp_policy=policy)
+        fully_shard(sharded, mp_policy=policy)
+        model.to("meta")
+        self.sharded = sharded
+        return sharded
+
+    def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
+        sharded = self.parallel
+        if sharded is None:
+            return super().step_function(model, name)
+        return lambda *args, **kwargs: redirected(sharded, name, *args, **kwargs)
+
+    def teardown(self, trainer: Trainer) -> None:
+        """Put the user's model back in ``trainer.model`` with the full trained weights.
+
+        After a failure there is none to gather (the peers are gone): the model stays
+        empty, and a checkpoint is the way back."""
+        sharded, self.parallel = self.parallel, None  # steps run the user's model again
+        if sharded is None or self.user_model is None:
+            return
+        trainer.model, model = self.user_model, self.user_model
+        if sys.exc_info()[0] is not None:
+            return
+        from torch.distributed.checkpoint import state_dict as sd
+
+        full = sd.get_model_state_dict(sharded, options=sd.StateDictOptions(full_state_dict=True))
+        model.to_empty(device=self.device)
+        model.load_state_dict(full)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def parameter_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        assert self.sharded is not None
+        named = {id(p): n for n, p in self.sharded.named_parameters()}
+        return [named[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+    def gather_state(self, trainer: Trainer) -> dict[str, Any] | None:
+        """The full model and optimizer state, gathered on rank 0 (every rank must call)."""
+        from torch.distributed.checkpoint import state_dict as sd
+
+        assert self.sharded is not None
+        options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = sd.get_model_state_dict(self.sharded, options=options)
+        optimizers = []
+        for optimizer in trainer.optimization.optimizers:
+            if not optimizer.state:  # before the first step: FSDP would make up a state
+                optimizers.append(optimizer.state_dict())
+                continue
+            state = sd.get_optimizer_state_dict(self.sharded, optimizer, options=options)
+            optimizers.append(by_position(state) if state else state)
+        if not self.is_global_zero:
+            return None
+        return {"state_dict": model, "optimizers": optimizers}
+
+    def restore_state(self, trainer: Trainer, state: dict[str, Any]) -> None:
+        """Each rank takes its shard of the full (or, from a folder, sharded) state."""
+        from torch.distributed.checkpoint import state_dict as sd
+
+        assert self.sharded is not None
+        options = sd.StateDictOptions(full_state_dict=not state.get("sharded", False))
+        sd.set_model_state_dict(self.sharded, state["state_dict"], options=options)
+        for optimizer, saved in zip(
+            trainer.optimization.optimizers, state["optimizers"], strict=True
+        ):
+            if not saved["state"]:
+                optimizer.load_state_dict(saved)  # hyperparameters only
+            elif state.get("sharded"):
+                sd.set_optimizer_state_dict(self.sharded, optimizer, saved, options=options)
+            else:
+                named = by_name(saved, self.parameter_names(optimizer))
+                sd.set_optimizer_state_dict(self.sharded, optimizer, named, options=options)
+
+    def sharded_state(self, optimizers: dict[int, torch.optim.Optimizer]) -> dict[str, Any]:
+        """This rank's shards: the model's and those of ``optimizers`` (by index)."""
+        from torch.distributed.checkpoint import state_dict as sd
+
+        assert self.sharded is not None
+        return {
+            "model": sd.get_model_state_dict(self.sharded),
+            "optimizers": {
+                str(i): sd.get_optimizer_state_dict(self.sharded, o) for i, o in optimizers.items()
+            },
+        }
+
+    def save_checkpoint(self, trainer: Trainer, path: str | os.PathLike[str]) -> None:
+        """``full``: one file (the default). ``sharded``: a folder, each rank writing its
+        shards through ``torch.distributed.checkpoint``, and rank 0 the loop's state (with
+        the settings of optimizers that have not stepped yet, which hold no shards)."""
+        if self.state_dict_type == "full" or self.sharded is None:
+            super().save_checkpoint(trainer, path)
+            return
+        import torch.distributed.checkpoint as dcp
+
+        optimizers = trainer.optimization.optimizers
+        dcp.save(
+            self.sharded_state({i: o for i, o in enumerate(optimizers) if o.state}),
+            checkpoint_id=path,
+        )
+        if self.is_global_zero:
+            unstepped = [None if o.state else o.state_dict() for o in optimizers]
+            state = {**trainer.loop_state(), "optimizers": unstepped, "sharded": True}
+            save_checkpoint_file(state, Path(path) / LOOP_FILE)
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, trainer: Trainer, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """A file as written by any backend, or a sharded folder, resharded for this job's
+        ranks (any number of them)."""
+        if not Path(path).is_dir():
+            return super().load_checkpoint(trainer, path)
+        import torch.distributed.checkpoint as dcp
+
+        state = load_checkpoint_file(Path(path) / LOOP_FILE)
+        optimizers = trainer.optimization.optimizers
+        if len(state["optimizers"]) != len(optimizers):
+            return {**state, "state_dict": None}  # the core names the mismatch
+        stepped = {i: o for i, o in enumerate(optimizers) if state["optimizers"][i] is None}
+        shards = self.sharded_state(stepped)  # this job's layout: DCP reads into it
+        dcp.load(shards, checkpoint_id=path)
+        for i in stepped:
+            state["optimizers"][i] = shards["optimizers"][str(i)]
+        return {**state, "state_dict": shards["model"]}
+
+
+class FSDPSpawnAccelerator(FSDPAccelerator):
+    """``fsdp`` in processes started by torch.multiprocessing; rank 0's state comes back."""
+
+    name = "fsdp_spawn"
+    launcher = SpawnLauncher
+
+
+@hookimpl
+def cardcage_accelerators() -> list[type[Accelerator]]:
+    return [FSDPAccelerator, FSDPSpawnAccelerator]
