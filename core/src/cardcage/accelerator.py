@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from cardcage import restarts
 from cardcage.errors import MisconfigurationError
 from cardcage.launchers import InProcessLauncher, Launcher
 from cardcage.strategy import Strategy, move_to
@@ -204,9 +205,10 @@ class Accelerator(Strategy):
         Called once per ``fit``, through the ``cardcage_train`` hook, in the process that
         called ``fit``; what it returns is what ``fit`` returns. The default hands the job
         to :meth:`make_launcher`'s launcher, which runs ``trainer.run_fit_loop()`` in each
-        training process.
+        training process, and launches again after a rank died while ``max_restarts``
+        allows (:mod:`cardcage.restarts`).
         """
-        return self.make_launcher().launch(trainer)
+        return restarts.launch(self.make_launcher(), trainer)
 
     def make_launcher(self) -> Launcher:
         """The launcher for this job: ``launcher(self)`` unless a subclass chooses."""

@@ -10,6 +10,7 @@ only in how their processes come to exist; a third-party backend may subclass it
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from datetime import timedelta
@@ -65,6 +66,11 @@ def share_cpu_threads(local_world_size: int, local_rank: int) -> None:
         )
 
 
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class DistributedAccelerator(Accelerator):
     """Base of backends that train one torch.distributed rank per process."""
 
@@ -111,6 +117,16 @@ class DistributedAccelerator(Accelerator):
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
             store = TCPStore(address, int(port), is_master=False, timeout=timeout)
+        elif store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps its store across --max-restarts, and torch's env://
+            # reuses its keys: a restarted rank may read a dead rank's address from the
+            # attempt before (gloo: "connectFullMesh failed ... Connection refused"). A key
+            # space per attempt.
+            from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            client = TCPStore(address, int(port), is_master=False, timeout=timeout)
+            store = PrefixStore(f"/cardcage/attempt_{attempt}", client)
         if store is not None:
             store.set(rendezvous.arrival_key(self.global_rank), str(os.getpid()))
             dist.init_process_group(
@@ -132,6 +148,12 @@ class DistributedAccelerator(Accelerator):
                 world_size=self.world_size,
                 timeout=timeout,
             )
+        if backend == "gloo":
+            # Gloo's worker threads may still hold tensors when the interpreter finalizes;
+            # freeing them then aborts the process ("terminate called without an active
+            # exception") after a finished run. Destroy the group while Python is alive.
+            atexit.unregister(_destroy_at_exit)  # once, however often a process joins
+            atexit.register(_destroy_at_exit)
         log.info(
             "cardcage: rank %d of %d joined the %s process group",
             self.global_rank,

@@ -37,6 +37,8 @@ class Flags:
     max_steps: int | None = None
     default_root_dir: str | None = None
     resume_from_checkpoint: str | None = None
+    max_restarts: int = 0
+    checkpoint_every_n_steps: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -123,6 +125,13 @@ def validate_flags(**kwargs: Any) -> Flags:
     _positive_int("num_nodes", flags.num_nodes)
     _positive_int("max_epochs", flags.max_epochs, allow_none=True)
     _positive_int("max_steps", flags.max_steps, allow_none=True)
+    _positive_int("checkpoint_every_n_steps", flags.checkpoint_every_n_steps, allow_none=True)
+    restarts = flags.max_restarts
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise MisconfigurationError(
+            f"max_restarts={restarts!r} is not valid: max_restarts must be an int >= 0 (how "
+            "many times a job whose rank died starts again; 0 fails at the first death)."
+        )
     for name in ("auto_select_gpus", "sync_batchnorm", "benchmark", "replace_sampler_ddp"):
         _bool(name, getattr(flags, name))
     if flags.distributed_backend is not None and (

@@ -16,7 +16,7 @@ process of this node and returns what ``fit`` returns. The core ships:
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cardcage import relaunch
 from cardcage.failures import write_error_file
@@ -30,8 +30,16 @@ if TYPE_CHECKING:
 class Launcher(abc.ABC):
     """Creates the training processes of one ``fit`` and runs the loop in each."""
 
+    #: Whether this launcher owns every process of the job, so that ``max_restarts`` can
+    #: start them again after a rank died (:mod:`cardcage.restarts`).
+    restartable: ClassVar[bool] = False
+
     def __init__(self, accelerator: Strategy):
         self.accelerator = accelerator
+
+    def reset(self) -> None:
+        """Forget a failed attempt before :meth:`launch` runs again (``max_restarts``)."""
+        return None  # nothing to forget here
 
     @abc.abstractmethod
     def launch(self, trainer: Trainer) -> Any:
@@ -57,6 +65,20 @@ class ScriptLauncher(Launcher):
     process re-runs the user's script once per extra local rank (``python script.py args``
     or ``python -m module args``) and trains as local rank 0; the children are supervised.
     """
+
+    @property
+    def restartable(self) -> bool:  # type: ignore[override]
+        """Restartable when this process starts every rank: one node, no cluster."""
+        selection = self.accelerator.selection
+        return selection.num_nodes == 1 and not selection.processes_created_outside
+
+    def reset(self) -> None:
+        """Leave the failed attempt's process group and forget its (stopped) children."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        relaunch.forget()
 
     def launch(self, trainer: Trainer) -> Any:
         selection = self.accelerator.selection

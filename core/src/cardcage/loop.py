@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cardcage import restarts
 from cardcage.checkpoint import rng_state, set_rng_state
 from cardcage.contract import extract_loss, mean_metrics, metrics_of
 
@@ -68,6 +69,7 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
     if not callable(after_backward):
         after_backward = None
     skip, resume_rng, rng_after_fetch = trainer.resume_position()
+    every = trainer.flags.checkpoint_every_n_steps or (100 if trainer.flags.max_restarts else 0)
 
     epoch = trainer.current_epoch
     while epoch < max_epochs and trainer.global_step < max_steps:
@@ -122,6 +124,8 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
                 bar.step(loss, batch_size_of(batch))
             if trainer.global_step >= max_steps:
                 break
+            if every and trainer.global_step % every == 0:
+                restarts.save_step(trainer)
             if trainer.global_step == trainer.stop_at_step:  # a requeue signal (requeue.py)
                 trainer.at_stop_step()  # checkpoints and raises Requeued, or returns
         trainer.in_epoch = False

@@ -42,6 +42,8 @@ class TrainerProtocol(Protocol):
     val_dataloaders: list[Any]
     current_epoch: int
     global_step: int
+    restarts: int
+    restart_from: str | None
     batch_idx: int
     epoch_rng: dict[str, Any] | None
     in_epoch: bool

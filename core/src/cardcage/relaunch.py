@@ -16,17 +16,34 @@ from pathlib import Path
 
 from cardcage.errors import MisconfigurationError
 from cardcage.failures import ERROR_FILE
-from cardcage.rendezvous import HOSTED_STORE, host_store, hosted_store
+from cardcage.rendezvous import HOSTED_STORE, host_store, hosted_store, release_store
 from cardcage.supervisor import Child, Supervisor, set_parent_death_signal
 
 log = logging.getLogger("cardcage")
 
 _relaunched: dict[str, Supervisor] = {}
+#: What the variables that relaunch_script set in this process were before (None: unset).
+_environ_before: dict[str, str | None] = {}
 
 
 def current_supervisor() -> Supervisor | None:
     """The supervisor of the processes this script already relaunched, if any."""
     return _relaunched.get("supervisor")
+
+
+def forget() -> None:
+    """Undo :func:`relaunch_script` after its children were stopped, so that the next
+    ``fit`` relaunches afresh (a restart): its variables, its supervisor, its store."""
+    supervisor = _relaunched.pop("supervisor", None)
+    if supervisor is not None:
+        supervisor.stopping.set()
+    for key, value in _environ_before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _environ_before.clear()
+    release_store()
 
 
 def script_command() -> list[str]:
@@ -116,6 +133,9 @@ def relaunch_script(
             )
         )
     # This process is local rank 0 from now on: a later fit joins these processes.
+    ours = {k for k, v in env.items() if os.environ.get(k) != v} | {"LOCAL_RANK", "RANK"}
+    _environ_before.clear()
+    _environ_before.update({k: os.environ.get(k) for k in ours})
     os.environ.update(env)
     os.environ.update({"LOCAL_RANK": "0", "RANK": str(base_rank)})
     supervisor = Supervisor(

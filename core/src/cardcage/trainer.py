@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from cardcage import agreement, checkpoint, devices, loop, plugins, requeue
+from cardcage import agreement, checkpoint, devices, loop, plugins, requeue, restarts
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
@@ -52,6 +52,8 @@ class Trainer:
         max_steps: int | None = None,
         default_root_dir: str | os.PathLike[str] | None = None,
         resume_from_checkpoint: str | os.PathLike[str] | None = None,
+        max_restarts: int = 0,
+        checkpoint_every_n_steps: int | None = None,
         progress_bar: bool | None = None,
         **unknown: Any,
     ):
@@ -76,6 +78,8 @@ class Trainer:
             max_steps=max_steps,
             default_root_dir=default_root_dir,
             resume_from_checkpoint=resume_from_checkpoint,
+            max_restarts=max_restarts,
+            checkpoint_every_n_steps=checkpoint_every_n_steps,
             **unknown,
         )
         self.flags = self.selection.flags
@@ -107,6 +111,9 @@ class Trainer:
         #: a caller that did not train itself.
         self._handed_back: dict[str, Any] | None = None
         self.results: Any = None
+        #: Restarts this fit used (max_restarts); what the next attempt resumes from.
+        self.restarts = 0
+        self.restart_from: str | None = None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -192,7 +199,7 @@ class Trainer:
         self.progress = ProgressBar(
             ProgressBar.wanted(self.progress_bar_flag, self.accelerator.global_rank)
         )
-        path = self.flags.resume_from_checkpoint
+        path = restarts.resume_path(self, os.environ) or self.flags.resume_from_checkpoint
         if self._requeue is not None:  # a requeued job resumes from its own checkpoint
             path = self._requeue.resume_path(path, self.accelerator.global_rank)
         if path is not None:
@@ -290,6 +297,7 @@ class Trainer:
         state["_requeue"] = None  # threads and a signal handler belong to one process
         state["_handed_back"] = None  # workers train, and so hold their own state
         state["progress"] = ProgressBar(False)
+        state["caller_rng"] = checkpoint.rng_state()  # workers draw as the script would
         selection = self.selection
         if selection.environment is not None:
             selection = dataclasses.replace(selection, environment=None)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 
+from cardcage.checkpoint import set_rng_state
 from cardcage.errors import MisconfigurationError, RankFailedError
 from cardcage.failures import ERROR_FILE, first_recorded, write_error_file
 from cardcage.launchers import Launcher
@@ -61,6 +62,8 @@ class WorkerLauncher(Launcher):
 
     #: What else the user can do when the job cannot be pickled (ends the error message).
     unpicklable_hint = "or use distributed_backend='ddp', which re-runs your script instead"
+    #: Workers are this process's to start again (``max_restarts``).
+    restartable: ClassVar[bool] = True
     #: Whether the workers import the caller's script. When they do not (``horovod.run``'s
     #: workers), set this: the trainer is then pickled by cloudpickle (which must be
     #: installed), with the classes of ``__main__`` and of every module the workers could
@@ -184,6 +187,11 @@ def run_worker(
     node's local rank 0 writes them to ``folder/results.pt``.
     """
     trainer: Trainer = pickle.loads(payload)
+    # Every rank starts from the random state the caller had at fit, as every rank of a
+    # relaunched script does: dropout and shuffles are reproducible, and a restart exact.
+    caller_rng = trainer.__dict__.pop("caller_rng", None)
+    if caller_rng is not None:
+        set_rng_state(caller_rng)
     trainer.attach()
     if before_fit is not None:
         before_fit(trainer)

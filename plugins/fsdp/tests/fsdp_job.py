@@ -1,5 +1,8 @@
 """fsdp training jobs for tests/test_fsdp.py: ``python fsdp_job.py SCENARIO OUT [PROCESSES]``.
 
+They use fsdp alone (``nox -s fsdp`` installs no other backend); the reference is a plain
+PyTorch loop.
+
 Every process that runs it (the caller, and under script relaunch every rank) runs the
 scenario; rank 0 writes ``OUT/<scenario>.json``. The model has two children and a
 parameter of its own (the root's share), trained with Adam on unshuffled data at a global
@@ -54,9 +57,12 @@ def net(seed: int = 0) -> Net:
 
 
 def fit(model: Net, processes: int, **flags: Any) -> cardcage.Trainer:
-    backend = "fsdp" if processes > 1 or flags.pop("fsdp_alone", False) else "cpu"
     trainer = cardcage.Trainer(
-        distributed_backend=backend, num_processes=processes, progress_bar=False, **flags
+        distributed_backend="fsdp",
+        num_processes=processes,
+        max_epochs=2,
+        progress_bar=False,
+        **flags,
     )
     trainer.fit(model, data(processes))
     return trainer
@@ -98,18 +104,26 @@ def main(scenario: str, out: Path, processes: int) -> dict[str, Any]:
         }
     if scenario == "resume_alone":  # the 2-rank sharded checkpoint, on one rank
         resumed = net(seed=9)
-        fit(resumed, 1, max_steps=10, resume_from_checkpoint=str(folder), fsdp_alone=True)
+        fit(resumed, 1, max_steps=10, resume_from_checkpoint=str(folder))
         return {"resumed": weights(resumed)}
-    if scenario == "reference":  # one process of the whole batch, no fsdp
+    if scenario == "reference":  # a plain PyTorch loop over the whole batch
         model = net()
-        fit(model, 1, max_steps=10)
+        optimizer = model.configure_optimizers()
+        batches = [batch for _ in range(2) for batch in data(1)][:10]
+        for batch_idx, batch in enumerate(batches):
+            optimizer.zero_grad()
+            model.training_step(batch, batch_idx).backward()
+            optimizer.step()
         return {"weights": weights(model)}
     if scenario == "bf16":
-        model = net()
+        model, full = net(), net()
         trainer = fit(model, processes, max_steps=10, precision="bf16")
+        fit(full, processes, max_steps=10)
         return {
             "losses": trainer.losses,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "weights": weights(model),
+            "fp32": weights(full),
         }
     raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -190,5 +190,6 @@ def test_bf16_trains_with_fp32_weights(tmp_path: Path) -> None:
     finally:
         assert not harness.cleanup(), "processes left behind"
     assert result["dtypes"] == ["torch.float32"]  # FSDP2 computes in bf16, keeps fp32 masters
-    losses = result["losses"]
-    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+    assert all(abs(loss) < 1e3 for loss in result["losses"])  # finite
+    # bf16 (8 bits of mantissa) moves the weights a little off the fp32 run, not far.
+    assert 1e-6 < close(result["weights"], result["fp32"]) < 5e-2
