@@ -38,6 +38,7 @@ __all__ = [
     "cuda_availability",
     "distributed_availability",
     "import_engine",
+    "launched_processes_per_node",
     "move_to",
 ]
 
@@ -142,9 +143,11 @@ class Accelerator(Strategy):
     def resolve(cls, ctx: SelectionContext) -> Resolution:
         """Decide what naming this backend explicitly means for ``ctx``.
 
-        The default refuses several nodes for a single-node backend and hands a GPU backend
-        with no GPU requested to ``cpu_fallback``. Override to add redirects of your own, and
-        call ``super().resolve(ctx)`` first to keep these.
+        The default refuses several nodes for a single-node backend, hands a GPU backend
+        with no GPU requested to ``cpu_fallback``, and warns when a launcher that created the
+        processes started another number on this node than ``num_processes`` asks for.
+        Override to add redirects of your own, and call ``super().resolve(ctx)`` first to
+        keep these.
         """
         requested = ctx.requested_as or cls.name
         if ctx.num_nodes > 1 and not cls.multi_node:
@@ -160,14 +163,19 @@ class Accelerator(Strategy):
                 f"{ctx.flags.gpus!r} requests none: training on the CPU instead. Set gpus "
                 "to use GPUs.",
             )
-        return Resolution(cls.name)
+        return Resolution(cls.name, ignored_num_processes(ctx))
 
     @classmethod
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         """How many processes this backend runs on each node for ``ctx``.
 
-        The default is one per requested GPU, else ``num_processes``.
+        The default is as many as the launcher that created the processes started on this
+        node (:func:`launched_processes_per_node`); otherwise one per requested GPU, else
+        ``num_processes``.
         """
+        launched = launched_processes_per_node(ctx)
+        if launched is not None:
+            return launched
         return len(ctx.gpu_ids) if ctx.gpu_ids else ctx.num_processes
 
     @classmethod
@@ -211,6 +219,35 @@ class Accelerator(Strategy):
     def make_launcher(self) -> Launcher:
         """The launcher for this job: ``launcher(self)`` unless a subclass chooses."""
         return self.launcher(self)
+
+
+def launched_processes_per_node(ctx: SelectionContext) -> int | None:
+    """How many processes the launcher that created them started on this node; ``None``
+    when no launcher did (``ctx.cluster`` does not create processes: cardcage starts them).
+
+    The launcher's own count when it gives one (``LOCAL_WORLD_SIZE``, ``HOROVOD_LOCAL_SIZE``,
+    ...), else its world size split evenly over ``num_nodes``. For a backend's
+    ``processes_per_node``: once the processes exist, the flags no longer decide how many.
+    """
+    cluster = ctx.cluster
+    if not cluster.creates_processes:
+        return None
+    return cluster.local_world_size() or max(cluster.world_size() // max(ctx.num_nodes, 1), 1)
+
+
+def ignored_num_processes(ctx: SelectionContext) -> str | None:
+    """A warning when ``num_processes`` asks for more than one process per node and the
+    launcher that created them started another number here; ``None`` otherwise."""
+    if ctx.num_processes <= 1:
+        return None
+    launched = launched_processes_per_node(ctx)
+    if launched is None or launched == ctx.num_processes:
+        return None
+    return (
+        f"num_processes={ctx.num_processes} is ignored: the {ctx.cluster.name} launcher "
+        f"started {launched} process(es) on this node. Leave num_processes unset, or set it "
+        f"to {launched}."
+    )
 
 
 def import_engine(module: str, hint: str, broken: str = "") -> tuple[Any, Availability]:

@@ -8,7 +8,8 @@ Registration and selection
     :data:`hookimpl`, :class:`Accelerator`, :class:`Rule`, :class:`Availability`,
     :class:`Resolution`, :class:`SelectionContext`, :class:`Selection`,
     :func:`cuda_availability`, :func:`distributed_availability`, :func:`import_engine`,
-    :class:`ClusterEnvironment`, :func:`env_int`, :func:`env_switch`.
+    :func:`launched_processes_per_node`, :class:`ClusterEnvironment`, :func:`env_int`,
+    :func:`env_switch`.
 Each training process
     :class:`Strategy` (the per-process methods every Accelerator has),
     :class:`DistributedAccelerator` (one torch.distributed rank per process),
@@ -37,6 +38,7 @@ from cardcage.accelerator import (
     cuda_availability,
     distributed_availability,
     import_engine,
+    launched_processes_per_node,
 )
 from cardcage.cluster import env_switch
 from cardcage.contract import Optimization
@@ -110,6 +112,7 @@ __all__ = [
     "hookimpl",
     "import_engine",
     "init_timeout",
+    "launched_processes_per_node",
     "leave",
     "modules_by_value",
     "move_to",
