@@ -17,7 +17,7 @@ Each training process
     :func:`distributed_loader`, :func:`move_to`, :func:`cpu_threads_per_process`,
     :func:`share_cpu_threads`, :func:`gpu_memory_metrics`, :class:`Precision`,
     :class:`Optimization` (``trainer.optimization``: ``wrap`` the optimizers,
-    ``scale_learning_rates``).
+    ``scale_learning_rates``), :func:`named_parameters`.
 Process creation
     :class:`Launcher`, :class:`InProcessLauncher`, :class:`ScriptLauncher`,
     :class:`WorkerLauncher` (pickled trainer, results handed back; a subclass says how N
@@ -41,7 +41,7 @@ from cardcage.accelerator import (
     launched_processes_per_node,
 )
 from cardcage.cluster import env_switch
-from cardcage.contract import Optimization
+from cardcage.contract import Optimization, named_parameters
 from cardcage.devices import gpu_memory_metrics
 from cardcage.distributed import (
     DistributedAccelerator,
@@ -116,6 +116,7 @@ __all__ = [
     "leave",
     "modules_by_value",
     "move_to",
+    "named_parameters",
     "pickle_job",
     "reduce_replica_outputs",
     "run_started_worker",
