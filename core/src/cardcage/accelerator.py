@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -41,6 +42,8 @@ __all__ = [
     "launched_processes_per_node",
     "move_to",
 ]
+
+log = logging.getLogger("cardcage")
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class Accelerator(Strategy):
     uses_tpu_cores: ClassVar[bool] = False
     needs_rendezvous: ClassVar[bool] = False
     launcher: ClassVar[type[Launcher]] = InProcessLauncher
+    #: Whether this process has warned about ranks with uneven batches (:meth:`uneven_source`).
+    uneven_warned: bool = False
 
     # -- selection ------------------------------------------------------------------------------
 
@@ -219,6 +224,33 @@ class Accelerator(Strategy):
     def make_launcher(self) -> Launcher:
         """The launcher for this job: ``launcher(self)`` unless a subclass chooses."""
         return self.launcher(self)
+
+    # -- in each training process ---------------------------------------------------------------
+
+    def uneven_source(self, epoch: int, counts: Sequence[int]) -> int | None:
+        """The rank every rank continues from after an epoch in which the ranks trained
+        different numbers of batches; ``None`` when they trained as many.
+
+        For a backend that lets an epoch of uneven data (a loader sharded by hand,
+        ``replace_sampler_ddp=False``) end instead of hang, as Horovod's ``hvd.join()`` does:
+        ``counts[r]`` is rank ``r``'s number of batches, the same list on every rank. The
+        first rank that trained the most is returned, and the backend gives its weights and
+        optimizer state to every rank; rank 0 warns the first time.
+        """
+        if len(set(counts)) <= 1:
+            return None
+        source = counts.index(max(counts))
+        if self.global_rank == 0 and not self.uneven_warned:
+            self.uneven_warned = True
+            log.warning(
+                "cardcage: the %s ranks trained on uneven numbers of batches in epoch %d (%s); "
+                "every rank continues from rank %d's weights and optimizer state",
+                self.name,
+                epoch,
+                ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts)),
+                source,
+            )
+        return source
 
 
 def launched_processes_per_node(ctx: SelectionContext) -> int | None:
