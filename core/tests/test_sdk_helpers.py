@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
+import cardcage
 from cardcage import select
-from cardcage.sdk import Accelerator, named_parameters
+from cardcage.sdk import Accelerator, SpawnLauncher, named_parameters
 
 
 class Probe(Accelerator):
@@ -60,3 +61,13 @@ def test_only_rank_0_warns_about_uneven_ranks(caplog: pytest.LogCaptureFixture) 
     with caplog.at_level(logging.WARNING, logger="cardcage"):
         assert probe(1).uneven_source(0, [8, 12]) == 1
     assert caplog.records == []
+
+
+def test_a_worker_launcher_names_num_processes_when_it_asks_for_several(
+    cuda_count_0: int,
+) -> None:
+    several = cardcage.Trainer(distributed_backend="ddp_spawn", num_processes=2)
+    launcher = SpawnLauncher(several.accelerator)
+    assert launcher.describe(several) == "distributed_backend='ddp_spawn' with num_processes=2"
+    one = cardcage.Trainer(distributed_backend="ddp_spawn", gpus=None, num_nodes=2)
+    assert SpawnLauncher(one.accelerator).describe(one) == "distributed_backend='ddp_spawn'"
