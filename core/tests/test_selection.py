@@ -648,6 +648,39 @@ def test_processes_per_node_come_from_the_launcher_that_started_them(cuda_count_
     assert select(env=mpirun).num_processes == 3
 
 
+ENV_LAUNCH_2_NODES = {  # an env:// launcher that gives no LOCAL_WORLD_SIZE
+    "WORLD_SIZE": "4",
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "node1",
+    "MASTER_PORT": "29500",
+}
+
+
+@pytest.mark.parametrize("backend", [None, "ddp", "ddp_spawn"])
+def test_without_a_local_count_the_launchers_world_is_split_over_the_nodes(
+    cuda_count_0: int, backend: str | None
+) -> None:
+    selection = select(env=ENV_LAUNCH_2_NODES, distributed_backend=backend, num_nodes=2)
+    assert (selection.accelerator, selection.cluster) == ("ddp", "torchelastic")
+    assert (selection.num_processes, selection.world_size, selection.node_rank) == (2, 4, 1)
+
+
+def test_num_processes_a_launcher_overrides_is_named_in_a_warning(cuda_count_0: int) -> None:
+    launched = {"env": TORCHRUN_4, "distributed_backend": "ddp", "num_nodes": 2}
+    ignored = select(**launched, num_processes=4)
+    assert (ignored.num_processes, ignored.world_size) == (2, 4)
+    assert ignored.warnings == [
+        "num_processes=4 is ignored: the torchelastic launcher started 2 process(es) on this "
+        "node. Leave num_processes unset, or set it to 2."
+    ]
+    assert select(**launched, num_processes=2).warnings == []
+    assert select(**launched).warnings == []  # the default asks for nothing
+    local = select(env={}, distributed_backend="ddp", num_processes=4)  # cardcage starts them
+    assert (local.num_processes, local.warnings) == (4, [])
+
+
 def test_device_count_plans_for_another_machine(cuda_count_0: int) -> None:
     # a login node without GPUs planning a job for nodes with 8 (cardcage-submit does this)
     selection = select(env={}, device_count=8, gpus=8)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,8 +40,11 @@ __all__ = [
     "cuda_availability",
     "distributed_availability",
     "import_engine",
+    "launched_processes_per_node",
     "move_to",
 ]
+
+log = logging.getLogger("cardcage")
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ class Accelerator(Strategy):
     uses_tpu_cores: ClassVar[bool] = False
     needs_rendezvous: ClassVar[bool] = False
     launcher: ClassVar[type[Launcher]] = InProcessLauncher
+    #: Whether this process has warned about ranks with uneven batches (:meth:`uneven_source`).
+    uneven_warned: bool = False
 
     # -- selection ------------------------------------------------------------------------------
 
@@ -143,9 +149,11 @@ class Accelerator(Strategy):
     def resolve(cls, ctx: SelectionContext) -> Resolution:
         """Decide what naming this backend explicitly means for ``ctx``.
 
-        The default refuses several nodes for a single-node backend and hands a GPU backend
-        with no GPU requested to ``cpu_fallback``. Override to add redirects of your own, and
-        call ``super().resolve(ctx)`` first to keep these.
+        The default refuses several nodes for a single-node backend, hands a GPU backend
+        with no GPU requested to ``cpu_fallback``, and warns when a launcher that created the
+        processes started another number on this node than ``num_processes`` asks for.
+        Override to add redirects of your own, and call ``super().resolve(ctx)`` first to
+        keep these.
         """
         requested = ctx.requested_as or cls.name
         if ctx.num_nodes > 1 and not cls.multi_node:
@@ -161,14 +169,19 @@ class Accelerator(Strategy):
                 f"{ctx.flags.gpus!r} requests none: training on the CPU instead. Set gpus "
                 "to use GPUs.",
             )
-        return Resolution(cls.name)
+        return Resolution(cls.name, ignored_num_processes(ctx))
 
     @classmethod
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         """How many processes this backend runs on each node for ``ctx``.
 
-        The default is one per requested GPU, else ``num_processes``.
+        The default is as many as the launcher that created the processes started on this
+        node (:func:`launched_processes_per_node`); otherwise one per requested GPU, else
+        ``num_processes``.
         """
+        launched = launched_processes_per_node(ctx)
+        if launched is not None:
+            return launched
         return len(ctx.gpu_ids) if ctx.gpu_ids else ctx.num_processes
 
     @classmethod
@@ -213,6 +226,62 @@ class Accelerator(Strategy):
     def make_launcher(self) -> Launcher:
         """The launcher for this job: ``launcher(self)`` unless a subclass chooses."""
         return self.launcher(self)
+
+    # -- in each training process ---------------------------------------------------------------
+
+    def uneven_source(self, epoch: int, counts: Sequence[int]) -> int | None:
+        """The rank every rank continues from after an epoch in which the ranks trained
+        different numbers of batches; ``None`` when they trained as many.
+
+        For a backend that lets an epoch of uneven data (a loader sharded by hand,
+        ``replace_sampler_ddp=False``) end instead of hang, as Horovod's ``hvd.join()`` does:
+        ``counts[r]`` is rank ``r``'s number of batches, the same list on every rank. The
+        first rank that trained the most is returned, and the backend gives its weights and
+        optimizer state to every rank; rank 0 warns the first time.
+        """
+        if len(set(counts)) <= 1:
+            return None
+        source = counts.index(max(counts))
+        if self.global_rank == 0 and not self.uneven_warned:
+            self.uneven_warned = True
+            log.warning(
+                "cardcage: the %s ranks trained on uneven numbers of batches in epoch %d (%s); "
+                "every rank continues from rank %d's weights and optimizer state",
+                self.name,
+                epoch,
+                ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts)),
+                source,
+            )
+        return source
+
+
+def launched_processes_per_node(ctx: SelectionContext) -> int | None:
+    """How many processes the launcher that created them started on this node; ``None``
+    when no launcher did (``ctx.cluster`` does not create processes: cardcage starts them).
+
+    The launcher's own count when it gives one (``LOCAL_WORLD_SIZE``, ``HOROVOD_LOCAL_SIZE``,
+    ...), else its world size split evenly over ``num_nodes``. For a backend's
+    ``processes_per_node``: once the processes exist, the flags no longer decide how many.
+    """
+    cluster = ctx.cluster
+    if not cluster.creates_processes:
+        return None
+    return cluster.local_world_size() or max(cluster.world_size() // max(ctx.num_nodes, 1), 1)
+
+
+def ignored_num_processes(ctx: SelectionContext) -> str | None:
+    """A warning when ``num_processes`` asks for more than one process per node and the
+    launcher that created them started another number here; ``None`` otherwise."""
+    if ctx.num_processes <= 1:
+        return None
+    launched = launched_processes_per_node(ctx)
+    if launched is None or launched == ctx.num_processes:
+        return None
+    return (
+        f"num_processes={ctx.num_processes} is ignored: the {ctx.cluster.name} launcher "
+        f"started {launched} process(es) on this node. Leave num_processes unset, or set it "
+        f"to {launched}."
+    )
 
 
 def import_engine(module: str, hint: str, broken: str = "") -> tuple[Any, Availability]:

@@ -66,6 +66,21 @@ class Optimization:
                 scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
 
 
+def named_parameters(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` for every parameter ``optimizer`` holds, named as ``model``
+    names it (``unnamed.<i>`` for one the model does not hold), in the model's order.
+
+    For optimizer wrappers that key each gradient's collective by its parameter's name
+    (Horovod's ``DistributedOptimizer(named_parameters=...)``): every rank gets the same names.
+    """
+    held = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    named = [(name, p) for name, p in model.named_parameters() if id(p) in held]
+    seen = {id(p) for _, p in named}
+    return named + [(f"unnamed.{i}", p) for i, (k, p) in enumerate(held.items()) if k not in seen]
+
+
 def _mark_steps(optimizer: torch.optim.Optimizer) -> None:
     """Mark ``optimizer``'s steps as a torch LR scheduler marks those of the optimizer it
     was built with (``_opt_called``), unless they are marked already."""

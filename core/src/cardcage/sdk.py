@@ -8,7 +8,8 @@ Registration and selection
     :data:`hookimpl`, :class:`Accelerator`, :class:`Rule`, :class:`Availability`,
     :class:`Resolution`, :class:`SelectionContext`, :class:`Selection`,
     :func:`cuda_availability`, :func:`distributed_availability`, :func:`import_engine`,
-    :class:`ClusterEnvironment`, :func:`env_int`, :func:`env_switch`.
+    :func:`launched_processes_per_node`, :class:`ClusterEnvironment`, :func:`env_int`,
+    :func:`env_switch`.
 Each training process
     :class:`Strategy` (the per-process methods every Accelerator has),
     :class:`DistributedAccelerator` (one torch.distributed rank per process),
@@ -16,7 +17,7 @@ Each training process
     :func:`distributed_loader`, :func:`move_to`, :func:`cpu_threads_per_process`,
     :func:`share_cpu_threads`, :func:`gpu_memory_metrics`, :class:`Precision`,
     :class:`Optimization` (``trainer.optimization``: ``wrap`` the optimizers,
-    ``scale_learning_rates``).
+    ``scale_learning_rates``), :func:`named_parameters`.
 Process creation
     :class:`Launcher`, :class:`InProcessLauncher`, :class:`ScriptLauncher`,
     :class:`WorkerLauncher` (pickled trainer, results handed back; a subclass says how N
@@ -41,11 +42,12 @@ from cardcage.accelerator import (
     cuda_availability,
     distributed_availability,
     import_engine,
+    launched_processes_per_node,
 )
 from cardcage.checkpoint import load as load_checkpoint_file
 from cardcage.checkpoint import save_atomic as save_checkpoint_file
 from cardcage.cluster import env_switch
-from cardcage.contract import Optimization
+from cardcage.contract import Optimization, named_parameters
 from cardcage.devices import gpu_memory_metrics
 from cardcage.distributed import (
     DistributedAccelerator,
@@ -116,10 +118,12 @@ __all__ = [
     "hookimpl",
     "import_engine",
     "init_timeout",
+    "launched_processes_per_node",
     "leave",
     "load_checkpoint_file",
     "modules_by_value",
     "move_to",
+    "named_parameters",
     "pickle_job",
     "reduce_replica_outputs",
     "run_started_worker",

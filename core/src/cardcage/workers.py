@@ -127,8 +127,11 @@ class WorkerLauncher(Launcher):
         return 1
 
     def describe(self, trainer: Trainer) -> str:
-        """The setting that sends the job to workers, for error messages."""
-        return f"distributed_backend={self.accelerator.selection.accelerator!r}"
+        """The setting that sends the job to workers, for error messages: the backend, and
+        ``num_processes`` when it asks for several."""
+        setting = f"distributed_backend={self.accelerator.selection.accelerator!r}"
+        processes = trainer.flags.num_processes
+        return f"{setting} with num_processes={processes}" if processes > 1 else setting
 
 
 def pickle_job(trainer: Trainer, dumps: Callable[[Any], bytes], setting: str, hint: str) -> bytes:
