@@ -17,6 +17,11 @@ Each training process
     :func:`share_cpu_threads`, :func:`gpu_memory_metrics`, :class:`Precision`,
     :class:`Optimization` (``trainer.optimization``: ``wrap`` the optimizers,
     ``scale_learning_rates``).
+An engine other than torch.distributed (torch-xla, a vendor runtime)
+    :class:`EngineStrategy` (the per-process methods, from the engine's primitives), and
+    its parts: :func:`environ` (the engine's settings in ``os.environ`` for a while),
+    :class:`EngineLoader`, :func:`holds_cpu_tensor`, :func:`broadcast_object`,
+    :func:`take_turns`.
 Process creation
     :class:`Launcher`, :class:`InProcessLauncher`, :class:`ScriptLauncher`,
     :class:`WorkerLauncher` (pickled trainer, results handed back; a subclass says how N
@@ -45,6 +50,14 @@ from cardcage.distributed import (
     DistributedAccelerator,
     cpu_threads_per_process,
     share_cpu_threads,
+)
+from cardcage.engines import (
+    EngineLoader,
+    EngineStrategy,
+    broadcast_object,
+    environ,
+    holds_cpu_tensor,
+    take_turns,
 )
 from cardcage.environments import ClusterEnvironment, env_int
 from cardcage.errors import MisconfigurationError, RankFailedError
@@ -80,6 +93,8 @@ __all__ = [
     "Availability",
     "ClusterEnvironment",
     "DistributedAccelerator",
+    "EngineLoader",
+    "EngineStrategy",
     "InProcessLauncher",
     "Launcher",
     "MisconfigurationError",
@@ -96,6 +111,7 @@ __all__ = [
     "Strategy",
     "Trainer",
     "WorkerLauncher",
+    "broadcast_object",
     "convert_batchnorm",
     "cpu_threads_per_process",
     "cuda_availability",
@@ -104,9 +120,11 @@ __all__ = [
     "distributed_loader",
     "env_int",
     "env_switch",
+    "environ",
     "fail",
     "first_recorded",
     "gpu_memory_metrics",
+    "holds_cpu_tensor",
     "hookimpl",
     "import_engine",
     "init_timeout",
@@ -118,5 +136,6 @@ __all__ = [
     "run_started_worker",
     "run_worker",
     "share_cpu_threads",
+    "take_turns",
     "write_error_file",
 ]
