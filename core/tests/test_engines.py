@@ -1,13 +1,18 @@
 """The SDK for backends on an engine other than torch.distributed (``cardcage.engines``:
-``EngineStrategy`` and its parts)."""
+``EngineStrategy`` and its parts), the torch-release check of ``availability``, the
+defaults of a backend that trains on ``tpu_cores``, and a worker that reports its failure at
+once (``run_worker(..., failure_rank=...)``)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import pickle
 import threading
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,12 +20,19 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import cardcage
+from cardcage import select
 from cardcage.sdk import (
+    Accelerator,
+    Availability,
     EngineLoader,
     EngineStrategy,
+    MisconfigurationError,
     broadcast_object,
     environ,
     holds_cpu_tensor,
+    matching_torch_release,
+    run_worker,
     take_turns,
 )
 
@@ -158,6 +170,35 @@ def test_take_turns_times_out_without_the_other_threads() -> None:
     _ranks(2, lambda rank: take_turns(lambda: None, 2, timeout=10))
 
 
+def test_matching_torch_release_compares_major_and_minor(monkeypatch: pytest.MonkeyPatch) -> None:
+    versions = {"torch": "2.9.1+cpu", "engine-a": "2.9.0", "engine-b": "2.8.0+tpu"}
+    monkeypatch.setattr(importlib.metadata, "version", versions.__getitem__)
+    assert matching_torch_release("engine-a", "pip install engine-a==2.9")
+    missing = matching_torch_release("engine-b", "pip install engine-b==2.9")
+    assert not missing
+    assert (
+        missing.reason == "engine-b 2.8.0+tpu needs torch 2.8.*, but torch 2.9.1+cpu is installed"
+    )
+    assert missing.hint == "pip install engine-b==2.9"
+
+
+def test_run_worker_with_failure_rank_reports_the_failure_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = b"not a pickle"  # the worker fails before training starts
+    with pytest.raises(pickle.UnpicklingError):
+        run_worker(broken, tmp_path, failure_rank=lambda: 3)
+    assert "UnpicklingError" in (tmp_path / "rank-3.txt").read_text()
+    assert "UnpicklingError" in capsys.readouterr().err
+    # Without failure_rank the error only propagates (the launcher's CARDCAGE_ERROR_FILE
+    # or the runner reports it).
+    (tmp_path / "rank-3.txt").unlink()
+    with pytest.raises(pickle.UnpicklingError):
+        run_worker(broken, tmp_path)
+    assert not list(tmp_path.iterdir())
+    assert capsys.readouterr().err == ""
+
+
 class Group:
     """What an engine's collectives do between the threads that stand for its ranks."""
 
@@ -250,3 +291,36 @@ def test_engine_strategy_collectives_over_the_engine_s_tensor_collectives() -> N
         assert (mean.shape, mean.item()) == ((), 2.0)  # 0-dim stays 0-dim
         assert total.tolist() == [[3], [3]]
         assert syncs == 1 + 2 + 2 + 2  # each collective run at once
+
+
+class CoresAccelerator(Accelerator):
+    """A third-party backend that trains on ``tpu_cores``, with the core's defaults."""
+
+    name = "cores"
+    uses_tpu_cores = True
+
+    @classmethod
+    def availability(cls, ctx: Any) -> Availability:
+        return Availability(True)
+
+
+@pytest.fixture
+def cores(inprocess_plugins: Callable[[object, str], None]) -> None:
+    module = types.ModuleType("cardcage_cores")
+    module.cardcage_accelerators = cardcage.hookimpl(lambda: [CoresAccelerator])  # type: ignore[attr-defined]
+    inprocess_plugins(module, "cores")
+
+
+def test_a_tpu_cores_backend_reads_tpu_cores_as_lightning_did(
+    cores: None, cuda_count_0: int
+) -> None:
+    with pytest.raises(MisconfigurationError, match=r"'cores' needs tpu_cores.*tpu_cores=1"):
+        select(env={}, distributed_backend="cores")
+    every = select(env={}, distributed_backend="cores", tpu_cores=8)
+    assert (every.accelerator, every.num_processes, every.world_size) == ("cores", 8, 8)
+    one = select(env={}, distributed_backend="cores", tpu_cores=[3])
+    assert (one.num_processes, one.world_size) == (1, 1)
+    half = select(env={}, distributed_backend="cores", tpu_cores=1, precision=16)
+    with pytest.raises(MisconfigurationError, match=r"precision=16 .* Use precision='bf16'"):
+        CoresAccelerator.check_precision(half)
+    CoresAccelerator.check_precision(select(env={}, distributed_backend="cores", tpu_cores=1))

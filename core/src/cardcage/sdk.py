@@ -8,7 +8,8 @@ Registration and selection
     :data:`hookimpl`, :class:`Accelerator`, :class:`Rule`, :class:`Availability`,
     :class:`Resolution`, :class:`SelectionContext`, :class:`Selection`,
     :func:`cuda_availability`, :func:`distributed_availability`, :func:`import_engine`,
-    :class:`ClusterEnvironment`, :func:`env_int`, :func:`env_switch`.
+    :func:`matching_torch_release`, :class:`ClusterEnvironment`, :func:`env_int`,
+    :func:`env_switch`.
 Each training process
     :class:`Strategy` (the per-process methods every Accelerator has),
     :class:`DistributedAccelerator` (one torch.distributed rank per process),
@@ -42,6 +43,7 @@ from cardcage.accelerator import (
     cuda_availability,
     distributed_availability,
     import_engine,
+    matching_torch_release,
 )
 from cardcage.cluster import env_switch
 from cardcage.contract import Optimization
@@ -129,6 +131,7 @@ __all__ = [
     "import_engine",
     "init_timeout",
     "leave",
+    "matching_torch_release",
     "modules_by_value",
     "move_to",
     "pickle_job",
