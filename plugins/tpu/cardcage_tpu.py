@@ -1,26 +1,20 @@
 """The tpu backend: torch-xla on TPU cores, or on XLA's CPU device with ``PJRT_DEVICE=CPU``.
 
-``tpu_cores`` keeps Lightning 1.0's three meanings on today's PJRT runtime: ``1`` trains in
-this process on ``xla:0`` (set up by ``xmp.spawn(fn, nprocs=1)``); ``[k]`` trains in this
-process on core k, PJRT's device ``xla:{k-1}``; ``8`` trains a replica on every XLA device of
-this host (``xmp.spawn``) and takes rank 0's state back. On XLA's CPU device the replicas are
-threads of one process, which compile one at a time and line up after every step (the
-README says why). Discovery never imports torch_xla, and ``availability`` never starts XLA's
-runtime.
+``tpu_cores`` keeps Lightning 1.0's three meanings on the PJRT runtime: ``1`` trains in this
+process on ``xla:0`` (set up by ``xmp.spawn(fn, nprocs=1)``), ``[k]`` in this process on core
+k (PJRT's ``xla:{k-1}``), ``8`` a replica on every XLA device of the host (``xmp.spawn``),
+rank 0's state coming back. On XLA's CPU device the replicas are threads of one process that
+compile in turn (the README says why). Discovery never imports torch_xla, and
+``availability`` never starts XLA's runtime.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import logging
 import os
-import pickle
 import sys
-import threading
-import traceback
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,19 +23,18 @@ import torch
 from cardcage.sdk import (
     Accelerator,
     Availability,
+    EngineStrategy,
     InProcessLauncher,
     Launcher,
     MisconfigurationError,
-    Resolution,
     Rule,
     SelectionContext,
     Trainer,
     WorkerLauncher,
+    environ,
     hookimpl,
-    init_timeout,
-    move_to,
+    matching_torch_release,
     run_worker,
-    write_error_file,
 )
 
 log = logging.getLogger("cardcage")
@@ -55,30 +48,9 @@ NO_DEVICE_HINT = (
     "on a TPU VM install torch-xla with its TPU runtime (pip install 'torch-xla[tpu]'); "
     "elsewhere set PJRT_DEVICE=CPU to train on XLA's CPU device"
 )
-
-
-def _release(version: str) -> tuple[str, ...]:
-    return tuple(version.split("+")[0].split(".")[:2])
-
-
-@contextlib.contextmanager
-def _no_default_device_choice() -> Iterator[None]:
-    """Import torch_xla without letting it write ``PJRT_DEVICE`` into ``os.environ``.
-
-    On import, torch_xla sets ``PJRT_DEVICE`` (TPU when it finds one, else CPU) unless the
-    variable is set. Availability must not change the environment it is judging, so the
-    choice is made later, by :func:`_choose_device_type`, when training starts.
-    """
-    key = "PJRT_SELECT_DEFAULT_DEVICE"
-    previous = os.environ.get(key)
-    os.environ[key] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = previous
+# Imported without this, torch_xla writes PJRT_DEVICE (TPU when it finds one, else CPU):
+# availability must not change the environment it judges. _choose_device_type decides.
+NO_DEFAULT_DEVICE = {"PJRT_SELECT_DEFAULT_DEVICE": "0"}
 
 
 def _tpu_chips() -> int:
@@ -92,11 +64,8 @@ def _tpu_chips() -> int:
 
 
 def _choose_device_type() -> str:
-    """``PJRT_DEVICE`` for this process: as set, else TPU when one is attached.
-
-    Called where training starts, before XLA's runtime is. Raises when neither holds, the
-    case availability reports as unavailable.
-    """
+    """``PJRT_DEVICE`` for this process, where training starts: as set, else TPU when one is
+    attached; an error otherwise (availability said so)."""
     chosen = os.environ.get("PJRT_DEVICE")
     if chosen:
         return chosen.split("_")[0]
@@ -108,82 +77,7 @@ def _choose_device_type() -> str:
     )
 
 
-def _to_cpu(obj: T) -> T:
-    """``obj`` with its XLA tensors moved to the CPU (nested containers too), as ``xm.save``
-    moves them: one batched transfer after the graphs that produce them ran."""
-    import torch_xla.core.xla_model as xm
-
-    moved: T = xm._maybe_convert_to_cpu(obj)
-    return moved
-
-
-def _holds_cpu_tensor(batch: Any) -> bool:
-    if isinstance(batch, torch.Tensor):
-        return batch.device.type == "cpu"
-    if isinstance(batch, (list, tuple)):
-        return any(_holds_cpu_tensor(item) for item in batch)
-    if isinstance(batch, dict):
-        return any(_holds_cpu_tensor(item) for item in batch.values())
-    return False
-
-
-_compile_turn = threading.Lock()  # one replica thread compiles at a time
-_barriers: dict[int, threading.Barrier] = {}
-_barriers_guard = threading.Lock()
-
-
-def _thread_barrier(parties: int) -> threading.Barrier:
-    """The barrier the ``parties`` replica threads of this process meet at after each step."""
-    with _barriers_guard:
-        barrier = _barriers.get(parties)
-        if barrier is None or barrier.broken:
-            barrier = threading.Barrier(parties, timeout=init_timeout())
-            _barriers[parties] = barrier
-        return barrier
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` added where unset, for the processes started inside."""
-    added = {k: v for k, v in values.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
-
-
-class DeviceLoader:
-    """``MpDeviceLoader`` over a loader: batches arrive on the device, uploaded in the
-    background, with the step barrier (``torch_xla.sync()``) at every batch. ``sampler`` is the
-    wrapped loader's, so that a distributed sampler can be told the epoch."""
-
-    def __init__(self, loader: Any, device: torch.device, step_barrier: Callable[[], None]):
-        from torch_xla.distributed.parallel_loader import MpDeviceLoader
-
-        self.loader = loader
-        self.sampler = getattr(loader, "sampler", None)
-        self.step_barrier = step_barrier
-        self._device_loader = MpDeviceLoader(loader, device)
-
-    def __iter__(self) -> Iterator[Any]:
-        batches = iter(self._device_loader)
-        while True:
-            # MpDeviceLoader's own sync then finds nothing left to run; this one is the
-            # replicas' turn-taking barrier (see TPUAccelerator.step_barrier).
-            self.step_barrier()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            yield batch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-
-class TPUAccelerator(Accelerator):
+class TPUAccelerator(EngineStrategy, Accelerator):
     name = "tpu"
     multi_node = False
     uses_tpu_cores = True
@@ -197,30 +91,23 @@ class TPUAccelerator(Accelerator):
         ),
     )
 
-    # -- selection ------------------------------------------------------------------------
+    # -- selection (with the core's defaults for uses_tpu_cores) ----------------------------
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:
         if importlib.util.find_spec("torch_xla") is None:
             return Availability(False, "torch_xla is not installed", INSTALL)
-        xla_version = importlib.metadata.version("torch-xla")
-        torch_version = importlib.metadata.version("torch")
-        if _release(xla_version) != _release(torch_version):
-            return Availability(
-                False,
-                f"torch-xla {xla_version} needs torch {'.'.join(_release(xla_version))}"
-                f".*, but torch {torch_version} is installed",
-                INSTALL,
-            )
+        release = matching_torch_release("torch-xla", INSTALL)
+        if not release:
+            return release
         try:
-            with _no_default_device_choice():
+            with environ(NO_DEFAULT_DEVICE, override=True):
                 import torch_xla  # noqa: F401
 
             chips = _tpu_chips()
         except Exception as error:
-            return Availability(
-                False, f"torch_xla {xla_version} fails to import ({error})", INSTALL
-            )
+            version = importlib.metadata.version("torch-xla")
+            return Availability(False, f"torch_xla {version} fails to import ({error})", INSTALL)
         pjrt_device = ctx.env.get("PJRT_DEVICE")
         if pjrt_device:
             return Availability(True, f"XLA device type {pjrt_device.split('_')[0]} (PJRT_DEVICE)")
@@ -228,46 +115,14 @@ class TPUAccelerator(Accelerator):
             return Availability(True, f"{chips} TPU chip(s)")
         return Availability(False, "no TPU found and PJRT_DEVICE is not set", NO_DEVICE_HINT)
 
-    @classmethod
-    def resolve(cls, ctx: SelectionContext) -> Resolution:
-        if ctx.tpu_cores is None:
-            raise MisconfigurationError(
-                "distributed_backend='tpu' needs tpu_cores, which is unset. Set tpu_cores=1 "
-                "(one core), 8 (all cores), or [k] (core k)."
-            )
-        return super().resolve(ctx)
-
-    @classmethod
-    def processes_per_node(cls, ctx: SelectionContext) -> int:
-        return ctx.tpu_cores if isinstance(ctx.tpu_cores, int) else 1
-
-    @classmethod
-    def check_precision(cls, selection: Any) -> None:
-        if selection.flags.precision == 16:
-            raise MisconfigurationError(
-                "precision=16 (float16 autocast with a grad scaler) needs CUDA GPUs, but "
-                "distributed_backend='tpu' trains on XLA devices. Use precision='bf16' (bfloat16 "
-                "autocast, what TPUs compute in), or 32."
-            )
-
     # -- where this process trains ---------------------------------------------------------
 
     def __init__(self, selection: Any):
         super().__init__(selection)
+        cores = selection.tpu_cores
+        self.core = cores[0] - 1 if isinstance(cores, list) else None  # [k]: PJRT's xla:{k-1}
+        self.multi_core = isinstance(cores, int) and cores > 1  # replicas from xmp.spawn
         self.replicated = False  # a replica of a multi-core job (its collectives are live)
-        self.threads = 1  # replicas that are threads of this process (XLA:CPU, v2/v3 TPUs)
-
-    @property
-    def core(self) -> int | None:
-        """The device index ``tpu_cores=[k]`` names (k-1), or ``None``."""
-        cores = self.selection.tpu_cores
-        return cores[0] - 1 if isinstance(cores, list) else None
-
-    @property
-    def multi_core(self) -> bool:
-        """Whether ``tpu_cores`` asks for every core (replicas started by ``xmp.spawn``)."""
-        cores = self.selection.tpu_cores
-        return isinstance(cores, int) and cores > 1
 
     def setup_process(self, trainer: Any) -> None:
         import torch_xla
@@ -279,7 +134,7 @@ class TPUAccelerator(Accelerator):
             self.global_rank = xr.global_ordinal()
             self.local_rank = xr.local_ordinal()
             self.world_size = xr.world_size()
-            self.threads = xr.addressable_device_count()
+            self.threads = xr.addressable_device_count()  # threads on XLA:CPU and v2/v3 TPUs
             if self.global_rank == 0 and self.world_size != self.selection.tpu_cores:
                 log.warning(
                     "cardcage: tpu_cores=%s trains on every XLA device of this host: %d "
@@ -304,19 +159,6 @@ class TPUAccelerator(Accelerator):
         super().setup_process(trainer)
         self.moves_batches = True
 
-    def process_dataloader(self, loader: Any, *, train: bool) -> Any:
-        loader = super().process_dataloader(loader, train=train)  # the replica's shard
-        return DeviceLoader(loader, self.device, self.step_barrier)
-
-    def batch_to_device(self, batch: Any) -> Any:
-        """Batches of fit arrive on the device already; ``validate``/``test`` batches come
-        from the CPU, and each gets the step barrier first (one graph per batch)."""
-        if _holds_cpu_tensor(batch):
-            import torch_xla
-
-            torch_xla.sync()
-        return move_to(batch, self.device, self.precision.dtype)
-
     def backward(self, loss: torch.Tensor) -> None:
         try:
             super().backward(loss)
@@ -335,80 +177,15 @@ class TPUAccelerator(Accelerator):
 
         xm.optimizer_step(optimizer)  # averages the gradients over the replicas, then steps
 
-    def on_epoch_end(self, trainer: Any) -> None:
-        self.step_barrier()  # an epoch cut short by max_steps leaves its last step pending
-
-    def step_barrier(self) -> None:
-        """Run the pending graph (``torch_xla.sync()``), the step barrier.
-
-        Replicas that are threads of one process compile one at a time (XLA:CPU's
-        all-reduce meets only inside one compiled program: the others find it in the cache),
-        then wait for each other, so that no thread starts compiling the next step while
-        another has yet to launch this one.
-        """
-        import torch_xla
-
-        if self.threads <= 1:
-            torch_xla.sync()
-            return
-        with _compile_turn:
-            torch_xla.sync()
-        _thread_barrier(self.threads).wait()
-
-    # -- collectives ----------------------------------------------------------------------
-
-    def barrier(self, name: str | None = None) -> None:
-        """Every replica reaches this point: an all-reduce of one number, run and read.
-
-        (``xm.rendezvous`` does the same through ``all_gather``, but compiles inside without
-        the replicas' turn-taking.)
-        """
-        if not (self.replicated and self.world_size > 1):
-            return
-        import torch_xla.core.xla_model as xm
-
-        arrived = xm.all_reduce(xm.REDUCE_SUM, torch.ones(1).to(self.device))
-        self.step_barrier()
-        if int(arrived.cpu().item()) != self.world_size:  # pragma: no cover - XLA's contract
-            raise RuntimeError(f"barrier {name!r}: {arrived.item()} of {self.world_size} arrived")
-
-    def broadcast(self, obj: T, src: int = 0) -> T:
-        """``obj`` as rank ``src`` holds it: its pickle, sent by ``xm.collective_broadcast``."""
-        if not (self.replicated and self.world_size > 1):
+    def portable(self, obj: T) -> T:
+        """``obj`` with its XLA tensors on the CPU, moved as ``xm.save`` moves them: one
+        batched transfer, after the graphs that produce them ran."""
+        if self.device.type != "xla":
             return obj
         import torch_xla.core.xla_model as xm
 
-        data = pickle.dumps(obj) if self.global_rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int32).to(self.device)
-        xm.collective_broadcast([size], root_ordinal=src)
-        self.step_barrier()
-        length = int(size.cpu().item())
-        buffer = torch.zeros(length, dtype=torch.uint8)
-        if self.global_rank == src:
-            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        on_device = buffer.to(self.device)
-        xm.collective_broadcast([on_device], root_ordinal=src)
-        self.step_barrier()
-        received: T = pickle.loads(on_device.cpu().numpy().tobytes())
-        return received
-
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        if not (self.replicated and self.world_size > 1):
-            return tensor
-        import torch_xla.core.xla_model as xm
-
-        # Through the CPU and back as a vector: XLA bakes a 0-dim 0 or 1 into the program as
-        # a constant, and replicas whose programs differ never meet in the all-reduce.
-        self.step_barrier()
-        values = tensor.detach().cpu().reshape(-1).to(self.device)
-        total: torch.Tensor = xm.all_reduce(xm.REDUCE_SUM, values)
-        if op == "mean":
-            total = total / self.world_size
-        self.step_barrier()
-        return total.reshape(tensor.shape)
-
-    def portable(self, obj: T) -> T:
-        return _to_cpu(obj) if self.device.type == "xla" else obj
+        moved: T = xm._maybe_convert_to_cpu(obj)
+        return moved
 
     def teardown(self, trainer: Any) -> None:
         import torch_xla.core.xla_model as xm
@@ -417,6 +194,36 @@ class TPUAccelerator(Accelerator):
             return  # training failed here: the peers will never reach the step barrier
         self.step_barrier()
         xm.wait_device_ops()
+
+    # -- the engine's primitives, for EngineStrategy (step barrier, loaders, collectives) --
+
+    def sync(self) -> None:
+        """Run the pending graph. Replica threads (``threads``) take turns at it: XLA:CPU's
+        all-reduce meets only inside one compiled program (the README shows it)."""
+        import torch_xla
+
+        torch_xla.sync()
+
+    def device_loader(self, loader: Any) -> Any:
+        from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+        return MpDeviceLoader(loader, self.device)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Also the barrier's (``xm.rendezvous`` would compile outside the replicas' turns)."""
+        import torch_xla.core.xla_model as xm
+
+        total: torch.Tensor = xm.all_reduce(xm.REDUCE_SUM, tensor)
+        return total
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.collective_broadcast([tensor], root_ordinal=src)
+
+    @property
+    def collectives_live(self) -> bool:
+        return self.replicated and self.world_size > 1
 
     # -- processes ------------------------------------------------------------------------
 
@@ -468,25 +275,16 @@ class XmpLauncher(WorkerLauncher):
         device_type = _choose_device_type()
         # XLA:CPU's asynchronous client dead-locks all-reduces between replica threads.
         settings = {"PJRT_CPU_ASYNC_CLIENT": "0"} if device_type == "CPU" else {}
-        with _environment(settings):
+        with environ(settings):
             xmp.spawn(_replica, args=(payload, str(folder)))
 
 
 def _replica(index: int, payload: bytes, folder: str) -> None:
-    """One replica of a multi-core job: train; the first of the host leaves the results.
+    """One replica of a multi-core job. It reports a failure at once (``failure_rank``): its
+    peers wait for it in a collective, and XLA may end the process before the error surfaces."""
+    import torch_xla.runtime as xr
 
-    A replica that fails says so at once, in its error file and on stderr: its peers wait
-    for it in a collective, and XLA may end the whole process before the error surfaces.
-    """
-    try:
-        run_worker(payload, folder, before_fit=_mark_replicated)
-    except BaseException as error:
-        import torch_xla.runtime as xr
-
-        write_error_file(error, Path(folder) / f"rank-{xr.global_ordinal()}.txt")
-        traceback.print_exception(type(error), error, error.__traceback__)
-        sys.stderr.flush()
-        raise
+    run_worker(payload, folder, before_fit=_mark_replicated, failure_rank=xr.global_ordinal)
 
 
 def _mark_replicated(trainer: Trainer) -> None:

@@ -17,6 +17,7 @@ once and then its ``train(trainer)`` once, in the process that called ``fit``.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "distributed_availability",
     "import_engine",
     "launched_processes_per_node",
+    "matching_torch_release",
     "move_to",
 ]
 
@@ -114,7 +116,8 @@ class Accelerator(Strategy):
             instead (with a warning), before any availability check.
         cpu_fallback: the backend that takes over in that case.
         uses_tpu_cores: whether it trains on the cores named by ``tpu_cores``; naming any
-            other backend together with ``tpu_cores`` is an error.
+            other backend together with ``tpu_cores`` is an error, and naming this one
+            without it too. The defaults then read ``tpu_cores`` as Lightning 1.0 did.
         needs_rendezvous: whether its processes meet through ``MASTER_ADDR``/``MASTER_PORT``
             (torch.distributed's env:// rendezvous); in processes a cluster started that
             supplies neither (mpirun without them, say), selecting it is an error.
@@ -149,13 +152,18 @@ class Accelerator(Strategy):
     def resolve(cls, ctx: SelectionContext) -> Resolution:
         """Decide what naming this backend explicitly means for ``ctx``.
 
-        The default refuses several nodes for a single-node backend, hands a GPU backend
-        with no GPU requested to ``cpu_fallback``, and warns when a launcher that created the
-        processes started another number on this node than ``num_processes`` asks for.
-        Override to add redirects of your own, and call ``super().resolve(ctx)`` first to
-        keep these.
+        The default refuses a ``uses_tpu_cores`` backend without ``tpu_cores`` and several
+        nodes for a single-node backend, hands a GPU backend with no GPU requested to
+        ``cpu_fallback``, and warns when a launcher that created the processes started another
+        number on this node than ``num_processes`` asks for. Override to add redirects of
+        your own, and call ``super().resolve(ctx)`` first to keep these.
         """
         requested = ctx.requested_as or cls.name
+        if cls.uses_tpu_cores and ctx.tpu_cores is None:
+            raise MisconfigurationError(
+                f"distributed_backend={requested!r} needs tpu_cores, which is unset. Set "
+                "tpu_cores=1 (one core), 8 (all cores), or [k] (core k)."
+            )
         if ctx.num_nodes > 1 and not cls.multi_node:
             raise MisconfigurationError(
                 f"distributed_backend={requested!r} runs on one node, but num_nodes="
@@ -175,10 +183,14 @@ class Accelerator(Strategy):
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         """How many processes this backend runs on each node for ``ctx``.
 
-        The default is as many as the launcher that created the processes started on this
-        node (:func:`launched_processes_per_node`); otherwise one per requested GPU, else
+        The default: for a ``uses_tpu_cores`` backend, ``tpu_cores`` when it is a count (8: a
+        process per core), else 1 (``[k]``: core k, in one process); otherwise as many as the
+        launcher that created the processes started on this node
+        (:func:`launched_processes_per_node`), else one per requested GPU, else
         ``num_processes``.
         """
+        if cls.uses_tpu_cores:
+            return ctx.tpu_cores if isinstance(ctx.tpu_cores, int) else 1
         launched = launched_processes_per_node(ctx)
         if launched is not None:
             return launched
@@ -188,8 +200,15 @@ class Accelerator(Strategy):
     def check_precision(cls, selection: Selection) -> None:
         """Refuse a precision this backend cannot train at, before anything starts.
 
-        The default allows 32, 64 and ``"bf16"`` everywhere and 16 only with GPUs.
+        The default allows 32, 64 and ``"bf16"`` everywhere and 16 only with GPUs (never on
+        TPU cores).
         """
+        if selection.flags.precision == 16 and cls.uses_tpu_cores:
+            raise MisconfigurationError(
+                f"precision=16 (float16 autocast with a grad scaler) needs CUDA GPUs, but "
+                f"distributed_backend={selection.accelerator!r} trains on XLA devices. Use "
+                "precision='bf16' (bfloat16 autocast, what TPUs compute in), or 32."
+            )
         if selection.flags.precision == 16 and not selection.gpu_ids:
             raise MisconfigurationError(
                 f"precision=16 (float16 autocast with a grad scaler) needs CUDA GPUs, but "
@@ -300,6 +319,21 @@ def import_engine(module: str, hint: str, broken: str = "") -> tuple[Any, Availa
     except Exception as error:
         reason = f"{package} is installed, but {module} cannot be imported ({error})"
         return None, Availability(False, f"{reason}: {broken}" if broken else reason, hint)
+
+
+def matching_torch_release(distribution: str, hint: str) -> Availability:
+    """Whether the installed ``distribution``, an engine built for one torch release (as
+    torch-xla is), has the installed torch's release (major.minor); unavailable, with
+    ``hint``, otherwise. Read from the distributions' metadata: nothing is imported."""
+    version, torch_version = (importlib.metadata.version(d) for d in (distribution, "torch"))
+    release = ".".join(version.split("+")[0].split(".")[:2])
+    if release == ".".join(torch_version.split("+")[0].split(".")[:2]):
+        return Availability(True, f"{distribution} {version} for torch {torch_version}")
+    return Availability(
+        False,
+        f"{distribution} {version} needs torch {release}.*, but torch {torch_version} is installed",
+        hint,
+    )
 
 
 def cuda_availability(ctx: SelectionContext) -> Availability:

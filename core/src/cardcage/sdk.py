@@ -8,7 +8,8 @@ Registration and selection
     :data:`hookimpl`, :class:`Accelerator`, :class:`Rule`, :class:`Availability`,
     :class:`Resolution`, :class:`SelectionContext`, :class:`Selection`,
     :func:`cuda_availability`, :func:`distributed_availability`, :func:`import_engine`,
-    :func:`launched_processes_per_node`, :class:`ClusterEnvironment`, :func:`env_int`,
+    :func:`launched_processes_per_node`, :func:`matching_torch_release`,
+    :class:`ClusterEnvironment`, :func:`env_int`,
     :func:`env_switch`.
 Each training process
     :class:`Strategy` (the per-process methods every Accelerator has),
@@ -18,6 +19,11 @@ Each training process
     :func:`share_cpu_threads`, :func:`gpu_memory_metrics`, :class:`Precision`,
     :class:`Optimization` (``trainer.optimization``: ``wrap`` the optimizers,
     ``scale_learning_rates``), :func:`named_parameters`.
+An engine other than torch.distributed (torch-xla, a vendor runtime)
+    :class:`EngineStrategy` (the per-process methods, from the engine's primitives), and
+    its parts: :func:`environ` (the engine's settings in ``os.environ`` for a while),
+    :class:`EngineLoader`, :func:`holds_cpu_tensor`, :func:`broadcast_object`,
+    :func:`take_turns`.
 Process creation
     :class:`Launcher`, :class:`InProcessLauncher`, :class:`ScriptLauncher`,
     :class:`WorkerLauncher` (pickled trainer, results handed back; a subclass says how N
@@ -43,6 +49,7 @@ from cardcage.accelerator import (
     distributed_availability,
     import_engine,
     launched_processes_per_node,
+    matching_torch_release,
 )
 from cardcage.checkpoint import load as load_checkpoint_file
 from cardcage.checkpoint import save_atomic as save_checkpoint_file
@@ -53,6 +60,14 @@ from cardcage.distributed import (
     DistributedAccelerator,
     cpu_threads_per_process,
     share_cpu_threads,
+)
+from cardcage.engines import (
+    EngineLoader,
+    EngineStrategy,
+    broadcast_object,
+    environ,
+    holds_cpu_tensor,
+    take_turns,
 )
 from cardcage.environments import ClusterEnvironment, env_int
 from cardcage.errors import MisconfigurationError, RankFailedError
@@ -88,6 +103,8 @@ __all__ = [
     "Availability",
     "ClusterEnvironment",
     "DistributedAccelerator",
+    "EngineLoader",
+    "EngineStrategy",
     "InProcessLauncher",
     "Launcher",
     "MisconfigurationError",
@@ -104,6 +121,7 @@ __all__ = [
     "Strategy",
     "Trainer",
     "WorkerLauncher",
+    "broadcast_object",
     "convert_batchnorm",
     "cpu_threads_per_process",
     "cuda_availability",
@@ -112,15 +130,18 @@ __all__ = [
     "distributed_loader",
     "env_int",
     "env_switch",
+    "environ",
     "fail",
     "first_recorded",
     "gpu_memory_metrics",
+    "holds_cpu_tensor",
     "hookimpl",
     "import_engine",
     "init_timeout",
     "launched_processes_per_node",
     "leave",
     "load_checkpoint_file",
+    "matching_torch_release",
     "modules_by_value",
     "move_to",
     "named_parameters",
@@ -130,5 +151,6 @@ __all__ = [
     "run_worker",
     "save_checkpoint_file",
     "share_cpu_threads",
+    "take_turns",
     "write_error_file",
 ]

@@ -183,12 +183,33 @@ def run_worker(
     payload: bytes,
     folder: str | os.PathLike[str],
     before_fit: Callable[[Trainer], None] | None = None,
+    *,
+    failure_rank: Callable[[], int] | None = None,
 ) -> Trainer:
     """In a worker: unpickle the trainer, train, and hand the state back.
 
     Every rank gathers the results (a sharded backend runs its collectives there); each
-    node's local rank 0 writes them to ``folder/results.pt``.
+    node's local rank 0 writes them to ``folder/results.pt``. With ``failure_rank`` (a
+    function that returns this worker's global rank), a failure is reported at once, before
+    it propagates: its traceback goes to ``folder/rank-<R>.txt`` and to stderr. For workers
+    that are threads (one ``CARDCAGE_ERROR_FILE`` would serve them all), or whose peers wait
+    for them in a collective while the engine may end the process before the error surfaces.
     """
+    try:
+        return _train_worker(payload, Path(folder), before_fit)
+    except BaseException as error:
+        if failure_rank is None:
+            raise
+        write_error_file(error, Path(folder) / f"rank-{failure_rank()}.txt")
+        traceback.print_exception(type(error), error, error.__traceback__)
+        sys.stderr.flush()
+        raise
+
+
+def _train_worker(
+    payload: bytes, folder: Path, before_fit: Callable[[Trainer], None] | None
+) -> Trainer:
+    """:func:`run_worker`'s work: the trainer, its training, and local rank 0's results."""
     trainer: Trainer = pickle.loads(payload)
     # Every rank starts from the random state the caller had at fit, as every rank of a
     # relaunched script does: dropout and shuffles are reproducible, and a restart exact.
@@ -206,7 +227,7 @@ def run_worker(
                 f"{type(trainer.accelerator).__name__}.gather_state returned None on local "
                 "rank 0, which hands the results back: return the full state there"
             )
-        path = Path(folder) / RESULTS
+        path = folder / RESULTS
         with open(path.with_suffix(".tmp"), "wb") as stream:
             torch.save(results, stream)
         os.replace(path.with_suffix(".tmp"), path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -81,14 +82,25 @@ def test_an_unpicklable_model_is_named_before_anything_starts() -> None:
 
 
 def test_launch_settings_are_added_where_unset_and_taken_back(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from cardcage_tpu import _environment
+    """Every core on XLA's CPU device: xmp.spawn starts the replicas with the synchronous CPU
+    client, unless the user chose one; the setting is taken back afterwards."""
+    pytest.importorskip("torch_xla", reason="torch_xla is not installed (nox -s tpu has it)")
+    import torch_xla
+    import torch_xla.distributed.xla_multiprocessing as xmp
+    from cardcage_tpu import XmpLauncher
 
+    seen: list[str | None] = []
+    monkeypatch.setattr(torch_xla._XLAC, "_xla_runtime_is_initialized", lambda: False)
+    monkeypatch.setattr(
+        xmp, "spawn", lambda fn, args: seen.append(os.environ.get("PJRT_CPU_ASYNC_CLIENT"))
+    )
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.delenv("PJRT_CPU_ASYNC_CLIENT", raising=False)
-    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
-    with _environment({"PJRT_CPU_ASYNC_CLIENT": "0", "CPU_NUM_DEVICES": "2"}):
-        assert os.environ["PJRT_CPU_ASYNC_CLIENT"] == "0"
-        assert os.environ["CPU_NUM_DEVICES"] == "4"  # the user's setting wins
+    XmpLauncher(None).start_workers(b"", tmp_path)  # type: ignore[arg-type]
     assert "PJRT_CPU_ASYNC_CLIENT" not in os.environ
-    assert os.environ["CPU_NUM_DEVICES"] == "4"
+    monkeypatch.setenv("PJRT_CPU_ASYNC_CLIENT", "1")
+    XmpLauncher(None).start_workers(b"", tmp_path)  # type: ignore[arg-type]
+    assert os.environ["PJRT_CPU_ASYNC_CLIENT"] == "1"
+    assert seen == ["0", "1"]  # the user's setting wins
