@@ -185,6 +185,7 @@ class FSDPAccelerator(DistributedAccelerator):
         full = sd.get_model_state_dict(sharded, options=sd.StateDictOptions(full_state_dict=True))
         model.to_empty(device=self.device)
         model.load_state_dict(full)
+        self.barrier("teardown")
 
     # -- state ----------------------------------------------------------------------------
 
@@ -207,9 +208,10 @@ class FSDPAccelerator(DistributedAccelerator):
                 continue
             state = sd.get_optimizer_state_dict(self.sharded, optimizer, options=options)
             optimizers.append(by_position(state) if state else state)
-        if not self.is_global_zero:
-            return None
-        return {"state_dict": model, "optimizers": optimizers}
+        # Ranks other than 0 drop their gathers unwaited; gloo's barrier waits for them, so
+        # that none is still in flight when the interpreter exits (its thread would abort).
+        self.barrier("gather_state")
+        return {"state_dict": model, "optimizers": optimizers} if self.is_global_zero else None
 
     def restore_state(self, trainer: Trainer, state: dict[str, Any]) -> None:
         """Each rank takes its shard of the full (or, from a folder, sharded) state."""
