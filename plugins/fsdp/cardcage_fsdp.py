@@ -208,8 +208,7 @@ class FSDPAccelerator(DistributedAccelerator):
                 continue
             state = sd.get_optimizer_state_dict(self.sharded, optimizer, options=options)
             optimizers.append(by_position(state) if state else state)
-        # Ranks other than 0 drop their gathers unwaited; gloo's barrier waits for them, so
-        # that none is still in flight when the interpreter exits (its thread would abort).
+        # Ranks other than 0 drop what they gathered; all leave the gather together.
         self.barrier("gather_state")
         return {"state_dict": model, "optimizers": optimizers} if self.is_global_zero else None
 

@@ -10,7 +10,6 @@ only in how their processes come to exist; a third-party backend may subclass it
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 from datetime import timedelta
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
-from cardcage import rendezvous
+from cardcage import exits, rendezvous
 from cardcage.accelerator import Accelerator
 from cardcage.launchers import ScriptLauncher
 from cardcage.samplers import distributed_loader
@@ -66,11 +65,6 @@ def share_cpu_threads(local_world_size: int, local_rank: int) -> None:
         )
 
 
-def _destroy_at_exit() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 class DistributedAccelerator(Accelerator):
     """Base of backends that train one torch.distributed rank per process."""
 
@@ -113,6 +107,7 @@ class DistributedAccelerator(Accelerator):
         address = os.environ.get("MASTER_ADDR") or self.selection.master_address or "127.0.0.1"
         port = os.environ.get("MASTER_PORT") or str(self.selection.master_port or "")
         store = rendezvous.hosted_store()
+        before = exits.threads()
         if store is None and os.environ.get(rendezvous.HOSTED_STORE) == "1":
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -149,11 +144,8 @@ class DistributedAccelerator(Accelerator):
                 timeout=timeout,
             )
         if backend == "gloo":
-            # Gloo's worker threads may still hold tensors when the interpreter finalizes;
-            # freeing them then aborts the process ("terminate called without an active
-            # exception") after a finished run. Destroy the group while Python is alive.
-            atexit.unregister(_destroy_at_exit)  # once, however often a process joins
-            atexit.register(_destroy_at_exit)
+            # Gloo's threads must be done before the interpreter finalizes (see exits.py).
+            exits.register(exits.threads() - before)
         log.info(
             "cardcage: rank %d of %d joined the %s process group",
             self.global_rank,
