@@ -107,6 +107,10 @@ class DistributedAccelerator(Accelerator):
         address = os.environ.get("MASTER_ADDR") or self.selection.master_address or "127.0.0.1"
         port = os.environ.get("MASTER_PORT") or str(self.selection.master_port or "")
         store = rendezvous.hosted_store()
+        loopback = rendezvous.loopback_interface()
+        if backend == "gloo" and self.world_size == self.local_world_size and loopback:
+            # One node: gloo listens on loopback, not on the address the hostname has.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         before = exits.threads()
         if store is None and os.environ.get(rendezvous.HOSTED_STORE) == "1":
             from torch.distributed import TCPStore  # type: ignore[attr-defined]

@@ -4,11 +4,16 @@ When no ``MASTER_PORT`` is set on a single node, the launcher hosts the rendezvo
 ``TCPStore`` on a port the kernel picks (port 0), so two jobs started at once never race for
 a port; ranks then report their arrival (:func:`arrival_key`), and a rank that never
 arrives is named by the supervisor.
+
+A single-node job lets no one in from outside the machine: the hosted store listens on
+127.0.0.1 only (torch's ``TCPStore`` would listen on every interface unless it is handed a
+listening socket), and gloo binds to the loopback interface (:func:`loopback_interface`).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -35,17 +40,40 @@ def init_timeout() -> float:
 _hosted: dict[str, Any] = {}
 
 
+def listening_socket(address: str) -> tuple[int, int]:
+    """A socket listening on ``address`` alone, on a port the kernel picks: ``(fd, port)``.
+
+    The descriptor is the store's from then on: Python never closes it (closing it under the
+    store's serving thread aborts the process at exit); the process's exit does."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    server = socket.create_server((address, 0), family=family, backlog=128)
+    port = int(server.getsockname()[1])
+    return server.detach(), port
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), if any."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
 def host_store(world_size: int) -> Any:
-    """Host the job's TCPStore in this process on a free port (kernel-chosen, no race)."""
+    """Host the job's TCPStore in this process, on 127.0.0.1 only, on a free port."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+    fd, port = listening_socket(DEFAULT_ADDRESS)
     store = TCPStore(
-        "127.0.0.1",
-        0,
+        DEFAULT_ADDRESS,
+        port,
         world_size,
         is_master=True,
         wait_for_workers=False,
         timeout=timedelta(seconds=init_timeout()),
+        master_listen_fd=fd,
+        use_libuv=False,  # libuv's server ignores master_listen_fd and listens everywhere
     )
     _hosted["store"] = store
     return store
