@@ -4,7 +4,7 @@
   import contracts of the core (its layers; no import of a backend plugin), configured under
   [tool.importlinter] in pyproject.toml.
 - typecheck: mypy (strict, configured in pyproject.toml) over core/ and extensions/submit/.
-- core: core/tests, tests/ and extensions/submit/tests with the core, all eight backend
+- core: core/tests, tests/ and extensions/submit/tests with the core, all nine backend
   plugins and the extension cardcage-submit (`cardcage submit`, on submitit) installed.
 - docs: the documentation site (mkdocs.yml, docs/) built with `mkdocs build --strict` into
   .nox/docs/tmp/site: any warning fails it, a broken link or anchor included, and so does a
@@ -14,7 +14,7 @@
   cpu, ddp and spawn plugins and cardcage-submit). As root it installs the Debian packages
   slurmctld, slurmd, slurm-client and munge when missing; elsewhere the tests skip with the
   reason.
-- cpu, gpu, dp, ddp, ddp2, spawn, horovod, tpu (tag `backends`): one session per backend, with
+- cpu, gpu, dp, ddp, ddp2, spawn, horovod, tpu, fsdp (tag `backends`): one session per backend, with
   the core and that one plugin installed and no other, so a plugin can never lean on another
   one by accident; it runs plugins/<name>/tests.
 - horovod also installs Horovod itself: plugins/horovod/build_horovod.py builds a wheel for the
@@ -25,6 +25,11 @@
   benchmarks of benchmarks/ against plain PyTorch and PyTorch Lightning (the `bench` extra),
   each in its quick form; `nox -s bench -- overhead --rounds 13` runs one with its own
   arguments. Give it a quiet machine.
+- soak (not in the default run: it takes an hour or more): benchmarks/soak.py, 100
+  consecutive launches of each launcher (relaunch, spawn, torchrun, srun on the private SLURM
+  cluster, horovodrun with the cached Horovod wheel, xmp with the tpu session's torch-xla when
+  `nox -s tpu` has made it), half of them beside a CPU hog; `nox -s soak -- --runs 10` for
+  fewer. The default run keeps a short form (tests/distributed/test_soak.py).
 
 Every default session together, from a fresh clone through .ci/run, took 24 minutes on this
 quiet 2-core machine (36 with a benchmark running beside it), with the Horovod wheel and the
@@ -268,3 +273,23 @@ def bench(session: nox.Session) -> None:
             session.log("instructions: skipped, valgrind is not installed")
             continue
         session.run("python", f"benchmarks/{name}.py", *arguments)
+
+
+@nox.session(default=False)
+def soak(session: nox.Session) -> None:
+    """benchmarks/soak.py: 100 launches of every launcher, quiet and beside a CPU hog."""
+    plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn", "./plugins/horovod")
+    _install(session, *plugins)
+    _horovod(session)
+    python = str(Path(session.bin) / "python")
+    arguments = session.posargs or ["--runs", "100"]
+    launchers = "relaunch,spawn,torchrun,srun,horovodrun,xmp"
+    session.run(
+        "python",
+        "benchmarks/soak.py",
+        "--launchers",
+        launchers,
+        "--horovod-python",
+        python,
+        *arguments,
+    )
