@@ -7,12 +7,16 @@ Usage::
     python benchmarks/overhead.py --rounds 15 --steps 4000 --json results.json
     python benchmarks/overhead.py --loader batched   # cheaper batches: overhead shows more
     python benchmarks/overhead.py --profile cardcage --width 32   # where the time goes
+    python benchmarks/overhead.py --step-checkpoints 100   # what step checkpoints cost
 
 What it compares, on the CPU with one thread (``torch.set_num_threads(1)``):
 
 * ``plain``: a hand-written loop (``for batch_idx, batch in enumerate(loader)``: ``zero_grad``,
   ``training_step``, ``backward``, ``step``), no progress bar;
 * ``cardcage``: ``cardcage.Trainer(distributed_backend="cpu", max_steps=N, progress_bar=True)``;
+* ``cardcage-ckpt-N`` (with ``--step-checkpoints N``): the same with
+  ``checkpoint_every_n_steps=N``, a step checkpoint written every N steps (what
+  ``max_restarts`` turns on, every 100 steps by default);
 * ``lightning``: ``pytorch_lightning.Trainer`` (or ``lightning.pytorch``'s) with
   ``logger=False, enable_checkpointing=False, enable_model_summary=False``, its progress bar
   on, ``accelerator="cpu", devices=1``; only when one of the two is importable (the ``bench``
@@ -130,7 +134,7 @@ def build(
     base: type[nn.Module] = nn.Module
     if framework == "lightning":
         base = _lightning().LightningModule
-    elif framework == "cardcage":
+    elif framework.startswith("cardcage"):
         import cardcage  # noqa: F401  (part of what cardcage costs: pluggy, the plugins)
 
     perf_counter, process_time = time.perf_counter, time.process_time
@@ -246,11 +250,17 @@ def train(
                         break
             elapsed, cpu = perf_counter() - start, process_time() - cpu
         return elapsed, cpu, step, collections
-    if framework == "cardcage":
+    if framework.startswith("cardcage"):
         import cardcage
 
+        # cardcage-ckpt-N: a step checkpoint (last.ckpt, atomically replaced) every N steps.
+        every = int(framework.rpartition("-")[2]) if framework != "cardcage" else None
         trainer = cardcage.Trainer(
-            distributed_backend="cpu", max_epochs=None, max_steps=steps, progress_bar=bar
+            distributed_backend="cpu",
+            max_epochs=None,
+            max_steps=steps,
+            progress_bar=bar,
+            checkpoint_every_n_steps=every,
         )
         assert trainer.selection.accelerator == "cpu", trainer.selection
     elif framework == "lightning":
@@ -398,6 +408,8 @@ def summarise(results: list[dict[str, Any]], frameworks: list[str]) -> list[dict
                 "plain": ("baseline", None),
                 "lightning": ("reference", None),
             }.get(framework, (f"<={TIME_TARGETS[model]:.2f}x, <=+{RSS_TARGET_MIB:.0f} MiB", None))
+            if framework.startswith("cardcage-ckpt"):
+                row["target"] = "measured"
             if framework == "cardcage":
                 rss_ok = row["rss_delta_mib"] <= RSS_TARGET_MIB
                 verdicts = []
@@ -581,6 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the round orders")
     parser.add_argument("--no-lightning", action="store_true", help="leave Lightning out")
+    parser.add_argument(
+        "--step-checkpoints",
+        type=int,
+        metavar="N",
+        help="add cardcage-ckpt-N: cardcage with checkpoint_every_n_steps=N (the restart "
+        "default is 100), to measure what step checkpoints cost",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every run and the summary")
     parser.add_argument(
         "--profile",
@@ -614,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     frameworks = ["plain", "cardcage"]
+    if args.step_checkpoints:
+        frameworks.append(f"cardcage-ckpt-{args.step_checkpoints}")
     lightning = None if args.no_lightning else lightning_available()
     if lightning:
         frameworks.append("lightning")
