@@ -18,7 +18,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-# backend -> distribution, for the eight that ship with cardcage (the core session installs all)
+# backend -> distribution, for the nine that ship with cardcage (the core session installs all)
 SHIPPED = {
     "cpu": "cardcage-cpu",
     "gpu": "cardcage-gpu",
@@ -28,6 +28,7 @@ SHIPPED = {
     "ddp_spawn": "cardcage-spawn",
     "horovod": "cardcage-horovod",
     "tpu": "cardcage-tpu",
+    "fsdp": "cardcage-fsdp",
 }
 STEERING_PREFIXES = ("CARDCAGE_", "PL_TRAINER_", "SLURM_", "TORCHELASTIC_", "OMPI_", "HOROVOD_")
 STEERING_NAMES = ("WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "MASTER_ADDR")

@@ -1,6 +1,6 @@
 """Finding, loading and registering plugins (pytest's behaviour at tox's size).
 
-Plugins are the modules named by entry points of the group ``cardcage``; the eight backends
+Plugins are the modules named by entry points of the group ``cardcage``; the nine backends
 that ship with cardcage are found the same way. Loading follows four environment variables:
 
 - ``CARDCAGE_DISABLE_PLUGINS=a,b``: never load these (entry-point names).
