@@ -31,9 +31,10 @@
   `nox -s tpu` has made it), half of them beside a CPU hog; `nox -s soak -- --runs 10` for
   fewer. The default run keeps a short form (tests/distributed/test_soak.py).
 
-Every default session together, from a fresh clone through .ci/run, took 24 minutes on this
-quiet 2-core machine (36 with a benchmark running beside it), with the Horovod wheel and the
-torch-xla wheelhouse cached; CI allows 90.
+Every default session together, from a fresh clone through .ci/run, took 32 minutes on this
+quiet 2-core machine on 2026-12-01 (nine backend sessions; 54 minutes with nothing cached and
+a callgrind benchmark beside it), with the Horovod wheel and the torch-xla wheelhouse cached;
+CI allows 90.
 
 Sessions use the interpreter nox runs under and reuse their virtual environments between runs
 (`--reuse-venv=no` starts afresh). torch is pinned once, in requirements-dev.txt, and the tool
