@@ -203,7 +203,7 @@ def environment(launcher: str, args: argparse.Namespace) -> tuple[str, dict[str,
     python = args.python
     if launcher == "horovodrun":
         python = args.horovod_python
-        if not Path(python, "..", "horovodrun").exists():
+        if not (Path(python).parent / "horovodrun").exists():
             return f"no horovodrun beside {python} (run `nox -s horovod` or pass --horovod-python)"
     if launcher == "xmp":
         python = args.xla_python
