@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from cardcage.testing.harness import leftover_processes
+
 KILL_STEP = 13
 STEPS_PER_EPOCH = 8
 
@@ -179,19 +181,6 @@ def child(variant: str, out: str) -> None:
     Path(out, "weights.json").write_text(json.dumps(weights))
 
 
-def job_processes(marker: str) -> int:
-    needle = f"CARDCAGE_RESTARTS_MARKER={marker}".encode()
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                    count += 1
-            except OSError:
-                pass
-    return count
-
-
 def measure(variant: str, kill: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cardcage-restarts-") as folder:
         out = os.path.join(folder, "kill" if kill else "straight")
@@ -208,7 +197,7 @@ def measure(variant: str, kill: bool) -> dict[str, Any]:
         )
         wall = time.time() - began
         time.sleep(3)
-        left = job_processes(marker)
+        left = len(leftover_processes(marker))
         weights = None
         if (Path(out) / "weights.json").exists():
             weights = json.loads((Path(out) / "weights.json").read_text())

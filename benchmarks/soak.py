@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from cardcage.testing.harness import leftover_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve()
 MARKER = "CARDCAGE_SOAK_MARKER"
@@ -111,21 +113,6 @@ def command(launcher: str, python: str, out: Path) -> list[str]:
     raise ValueError(launcher)
 
 
-def leftovers(marker: str) -> list[int]:
-    """PIDs of processes that carry ``marker`` in their environment."""
-    found = []
-    needle = f"{MARKER}={marker}".encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            if needle in environ.split(b"\0"):
-                found.append(int(entry))
-    return found
-
-
 class Hog:
     """One spinning process per core, paused until :meth:`on`."""
 
@@ -178,10 +165,10 @@ def launch(launcher: str, python: str, env: dict[str, str], timeout: float) -> d
             else []
         )
         deadline = time.monotonic() + 5
-        left = leftovers(marker)
+        left = list(leftover_processes(marker))
         while left and time.monotonic() < deadline:
             time.sleep(0.1)
-            left = leftovers(marker)
+            left = list(leftover_processes(marker))
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     failed = not hung and (proc.returncode != 0 or "terminate called" in output or bool(left))
