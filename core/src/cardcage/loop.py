@@ -69,7 +69,7 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
     if not callable(after_backward):
         after_backward = None
     skip, resume_rng, rng_after_fetch = trainer.resume_position()
-    every = trainer.flags.checkpoint_every_n_steps or (100 if trainer.flags.max_restarts else 0)
+    every = restarts.steps_between_checkpoints(trainer.flags)
 
     epoch = trainer.current_epoch
     while epoch < max_epochs and trainer.global_step < max_steps:

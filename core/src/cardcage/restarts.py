@@ -41,6 +41,14 @@ CHECKPOINT_DIR = "CARDCAGE_CHECKPOINT_DIR"
 RESTART_FROM = "CARDCAGE_RESTART_FROM"
 #: Variables by which a cluster says this process is a restart of the job.
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+#: Steps between step checkpoints when ``max_restarts`` asks for them and nothing else is set.
+DEFAULT_EVERY = 100
+
+
+def steps_between_checkpoints(flags: Any) -> int:
+    """``checkpoint_every_n_steps``, else every 100 steps with ``max_restarts``, else 0."""
+    every: int = flags.checkpoint_every_n_steps or (DEFAULT_EVERY if flags.max_restarts else 0)
+    return every
 
 
 def checkpoint_folder(default_root_dir: str | None, env: Mapping[str, str]) -> Path | None:
@@ -80,7 +88,7 @@ def save_step(trainer: Trainer) -> None:
 @contextlib.contextmanager
 def _folder_for(trainer: Trainer) -> Iterator[Path | None]:
     """The step checkpoints' folder for one ``fit``: made and removed here when needed."""
-    wanted = trainer.flags.checkpoint_every_n_steps or trainer.flags.max_restarts
+    wanted = steps_between_checkpoints(trainer.flags)
     if trainer.flags.default_root_dir or not wanted or os.environ.get(CHECKPOINT_DIR):
         yield checkpoint_folder(trainer.flags.default_root_dir, os.environ)
         return
