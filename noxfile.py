@@ -280,7 +280,8 @@ def bench(session: nox.Session) -> None:
 def soak(session: nox.Session) -> None:
     """benchmarks/soak.py: 100 launches of every launcher, quiet and beside a CPU hog."""
     plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn", "./plugins/horovod")
-    _install(session, *plugins)
+    # soak.py finds leftover processes with the conformance kit, which imports pytest.
+    _install(session, *plugins, tools=(TOOLS["pytest"],))
     _horovod(session)
     python = str(Path(session.bin) / "python")
     arguments = session.posargs or ["--runs", "100"]
