@@ -12,29 +12,17 @@ listening socket), and gloo binds to the loopback interface (:func:`loopback_int
 
 from __future__ import annotations
 
-import os
 import socket
 from datetime import timedelta
 from typing import Any
 
-from cardcage.errors import MisconfigurationError
+# Re-exported: the rest of the core (and the SDK) find them here.
+from cardcage.variables import INIT_TIMEOUT as INIT_TIMEOUT
+from cardcage.variables import init_timeout as init_timeout
 
 HOSTED_STORE = "CARDCAGE_HOSTED_STORE"
-INIT_TIMEOUT = "CARDCAGE_INIT_TIMEOUT"
 #: The loopback address a single-node job meets at when nothing else is set.
 DEFAULT_ADDRESS = "127.0.0.1"
-
-
-def init_timeout() -> float:
-    """Seconds every rank may take to arrive (``CARDCAGE_INIT_TIMEOUT``, default 300)."""
-    raw = os.environ.get(INIT_TIMEOUT, "300")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise MisconfigurationError(
-            f"environment variable {INIT_TIMEOUT}={raw!r} is not a number of seconds."
-        ) from None
-    return value
 
 
 _hosted: dict[str, Any] = {}
