@@ -10,6 +10,17 @@
   .nox/docs/tmp/site: any warning fails it, a broken link or anchor included, and so does a
   hook of core/src/cardcage/spec.py without a docstring (the hook reference is generated
   from them). It installs the `docs` extra of pyproject.toml and pluggy, not torch.
+- build: the sdist and wheel of every distribution (the meta-distribution, core, the nine
+  plugins, cardcage-submit: twelve of each) into dist/, emptied first, each wheel built from
+  its sdist; then `twine check --strict`, and scripts/release.py's checks: one version
+  (core/src/cardcage/_version.py) and the ranges between the distributions, before the build;
+  the wheels' contents (templates, py.typed, entry points, READMEs as long descriptions,
+  licence files, dependencies), after it.
+- wheels (runs build first): tests/wheels, the wheels of dist/ installed, not editable, into
+  new virtual environments (`cardcage`, and apart `cardcage-core` with `cardcage-spawn`), with
+  torch from its pin, and run from outside the repository: `cardcage plugins`, `explain`,
+  `demo`, a 2-process ddp_spawn fit against a plain loop, `cardcage new-plugin` and the
+  generated plugin's own tests.
 - slurm: tests/slurm on a private two-node SLURM cluster on this machine (the core with the
   cpu, ddp and spawn plugins and cardcage-submit). As root it installs the Debian packages
   slurmctld, slurmd, slurm-client and munge when missing; elsewhere the tests skip with the
@@ -17,10 +28,12 @@
 - cpu, gpu, dp, ddp, ddp2, spawn, horovod, tpu, fsdp (tag `backends`): one session per backend, with
   the core and that one plugin installed and no other, so a plugin can never lean on another
   one by accident; it runs plugins/<name>/tests.
-- horovod also installs Horovod itself: plugins/horovod/build_horovod.py builds a wheel for the
-  session's torch (PyTorch + Gloo, about 5 minutes on 2 cores) once, caches it outside the
-  repository (~/.cache/cardcage/horovod/<horovod>-torch<torch>/, or $CARDCAGE_CACHE_DIR), and
-  later runs reuse it (the log says "reusing cached Horovod wheel ...").
+- horovod also installs Horovod itself: the builder that ships in cardcage-horovod
+  (plugins/horovod/cardcage_horovod/build.py, `python -m cardcage_horovod.build --install` for
+  a pip user) builds a wheel for the session's torch (PyTorch + Gloo, about 5 minutes on 2
+  cores) once, caches it outside the repository
+  (~/.cache/cardcage/horovod/<horovod>-torch<torch>/, or $CARDCAGE_CACHE_DIR), and later runs
+  reuse it (the log says "reusing cached Horovod wheel ...").
 - bench (not in the default run: benchmarks measure, they do not pass or fail): the
   benchmarks of benchmarks/ against plain PyTorch and PyTorch Lightning (the `bench` extra),
   each in its quick form; `nox -s bench -- overhead --rounds 13` runs one with its own
@@ -34,7 +47,8 @@
 Every default session together, from a fresh clone through .ci/run, took 32 minutes on this
 quiet 2-core machine on 2026-12-01 (nine backend sessions; 54 minutes with nothing cached and
 a callgrind benchmark beside it), with the Horovod wheel and the torch-xla wheelhouse cached;
-CI allows 90.
+CI allows 90. The build and wheels sessions, added since, take about 3 minutes more together
+(2 min 44 s measured on 2026-12-02 beside a soak run: build 18 s, wheels 2 min 24 s).
 
 Sessions use the interpreter nox runs under and reuse their virtual environments between runs
 (`--reuse-venv=no` starts afresh). torch is pinned once, in requirements-dev.txt, and the tool
@@ -143,6 +157,43 @@ def docs(session: nox.Session) -> None:
     session.log(f"the site is in {site}")
 
 
+# Where `nox -s build` leaves the sdists and wheels (emptied first), and the wheels session
+# takes them from.
+DIST = ROOT / "dist"
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """sdists and wheels of every distribution into dist/, checked (scripts/release.py)."""
+    session.install(*BUILD_SYSTEM["requires"], TOOLS["build"], TOOLS["twine"])
+    # One version (core/src/cardcage/_version.py) and the ranges it implies, licences, hints.
+    session.run("python", "scripts/release.py", "check")
+    folders = session.run("python", "scripts/release.py", "list", silent=True)
+    shutil.rmtree(DIST, ignore_errors=True)
+    for folder in str(folders).split():
+        # The sdist, then the wheel built from it (so the sdist is known to be complete), with
+        # the session's hatchling: no throwaway build environment per distribution.
+        session.run(
+            "python", "-m", "build", "--no-isolation", "--outdir", str(DIST), folder, silent=True
+        )
+    session.run("twine", "check", "--strict", *sorted(str(path) for path in DIST.iterdir()))
+    # Contents: templates, py.typed, entry points, READMEs, licences, versions, dependencies.
+    session.run("python", "scripts/release.py", "check-dist", str(DIST))
+
+
+@nox.session(requires=["build"])
+def wheels(session: nox.Session) -> None:
+    """tests/wheels: the wheels of dist/ in clean virtual environments, as a pip user has them."""
+    # The tests make their own environments; this one only runs pytest.
+    session.install(TOOLS["pytest"], "packaging")
+    session.run(
+        "pytest",
+        "tests/wheels",
+        *session.posargs,
+        env={"CARDCAGE_WHEELS_TESTS": "1", "CARDCAGE_DIST": str(DIST)},
+    )
+
+
 @nox.session
 def slurm(session: nox.Session) -> None:
     """tests/slurm: srun, sbatch, requeue and `cardcage submit` grids on a private SLURM
@@ -165,8 +216,10 @@ if found != [sys.argv[1]]:
 def _horovod(session: nox.Session) -> None:
     """Horovod for the session's torch: the cached wheel (built first when there is none),
     installed with --no-deps so that pip never touches torch, and its runtime dependencies."""
+    # The builder that ships in cardcage-horovod (`python -m cardcage_horovod.build`); it uses
+    # the standard library alone, so it loads by path here, without torch.
     spec = importlib.util.spec_from_file_location(
-        "build_horovod", ROOT / "plugins/horovod/build_horovod.py"
+        "cardcage_horovod_build", ROOT / "plugins/horovod/cardcage_horovod/build.py"
     )
     assert spec is not None and spec.loader is not None
     build = importlib.util.module_from_spec(spec)
@@ -201,9 +254,11 @@ for _name in BACKENDS:
 
 
 # torch-xla 2.9.0 is built against torch 2.9.0 and needs exactly that release (it does not
-# declare it). From PyPI, torch 2.9.0 for x86_64 is the CUDA build with its nvidia-* wheels:
-# about 3.5 GB of downloads and 7 GB installed.
-TPU_ENGINE = ("torch==2.9.0", "torch-xla==2.9.0")
+# declare it): the pair is pinned once, as the `engine` extra of plugins/tpu/pyproject.toml.
+# From PyPI, torch 2.9.0 for x86_64 is the CUDA build with its nvidia-* wheels: about 3.5 GB
+# of downloads and 7 GB installed.
+TPU_PROJECT = nox.project.load_toml(ROOT / "plugins/tpu/pyproject.toml")["project"]
+TPU_ENGINE = tuple(TPU_PROJECT["optional-dependencies"]["engine"])
 # The engine's wheels, downloaded once and installed from disk afterwards. pip's own HTTP cache
 # cannot do this where a proxy strips the caching headers (as here: nothing is ever cached).
 WHEELHOUSE = Path(

@@ -57,6 +57,7 @@ else
     echo "gpu-tests: no hatchling here; putting the sources on the path instead"
     "$py" - "${projects[@]}" <<'PY'
 import pathlib
+import re
 import sys
 import sysconfig
 import tomllib
@@ -64,10 +65,14 @@ import tomllib
 site = pathlib.Path(sysconfig.get_paths()["purelib"])
 paths = []
 for project in map(pathlib.Path, sys.argv[1:]):
-    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    meta = pyproject["project"]
     source = project / "src" if (project / "src").is_dir() else project
     paths.append(str(source.resolve()))
-    name, version = meta["name"], meta["version"]
+    name, version = meta["name"], meta.get("version")
+    if version is None:  # dynamic (the core's): the file hatch reads it from
+        version_file = project / pyproject["tool"]["hatch"]["version"]["path"]
+        version = re.search(r'__version__ = "([^"]+)"', version_file.read_text()).group(1)
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")

@@ -91,14 +91,14 @@ def test_plugins_lists_the_eight_backends_with_their_distributions(plugins_text:
 def test_plugins_says_why_horovod_cannot_run_and_how_to_install_it(plugins_text: str) -> None:
     (line,) = [ln for ln in plugins_text.splitlines() if ln.strip().startswith("horovod ")]
     assert "unavailable: horovod is not installed" in line
-    assert "pip install 'cardcage[horovod]'" in line
+    assert "python -m cardcage_horovod.build --install" in line
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch-xla installed")
 def test_plugins_says_why_tpu_cannot_run_and_how_to_install_it(plugins_text: str) -> None:
     (line,) = [ln for ln in plugins_text.splitlines() if ln.strip().startswith("tpu ")]
     assert "unavailable: torch_xla is not installed" in line
-    assert "pip install 'cardcage[tpu]'" in line
+    assert "pip install torch==2.9.0 torch-xla==2.9.0" in line
 
 
 def test_plugins_json_is_one_document(plugins_json: dict[str, Any]) -> None:

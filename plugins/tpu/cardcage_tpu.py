@@ -40,9 +40,11 @@ from cardcage.sdk import (
 log = logging.getLogger("cardcage")
 T = TypeVar("T")
 
+# The pair of the `engine` extra (pyproject.toml): torch-xla works with its own torch alone.
 INSTALL = (
-    "pip install 'cardcage[tpu]', with the torch-xla release that matches torch's, for "
-    "example pip install torch==2.9.0 torch-xla==2.9.0"
+    "pip install torch==2.9.0 torch-xla==2.9.0, the pair that works together, as "
+    "pip install 'cardcage-tpu[engine]' installs it; on a TPU VM, torch-xla[tpu]==2.9.0 adds "
+    "the TPU runtime"
 )
 NO_DEVICE_HINT = (
     "on a TPU VM install torch-xla with its TPU runtime (pip install 'torch-xla[tpu]'); "

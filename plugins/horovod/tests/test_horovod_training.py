@@ -1,7 +1,7 @@
 """Training with Horovod itself: under horovodrun, and with cardcage starting the workers.
 
 Skipped, with the reason, where ``horovod.torch`` cannot be imported or has no Gloo: ``nox -s
-horovod`` builds Horovod for the installed torch (plugins/horovod/build_horovod.py) and runs
+horovod`` builds Horovod for the installed torch (``python -m cardcage_horovod.build``) and runs
 these. The reference everywhere is a plain PyTorch loop in one process on batches twice as
 large (two processes of batch 8 on unshuffled data see what one process of batch 16 sees).
 """

@@ -5,6 +5,7 @@ and patch, and selection messages."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ from cardcage.sdk import modules_by_value
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"}
 HOROVODRUN = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0"}
-BUILD_HELPER = Path(__file__).parents[1] / "build_horovod.py"
+# The builder that ships in the package (python -m cardcage_horovod.build), loaded by path as
+# the noxfile loads it: a fresh module for each test.
+BUILD_HELPER = Path(__file__).parents[1] / "cardcage_horovod" / "build.py"
 
 
 @pytest.fixture
@@ -40,7 +43,7 @@ def gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def build_helper() -> Any:
-    spec = importlib.util.spec_from_file_location("build_horovod", BUILD_HELPER)
+    spec = importlib.util.spec_from_file_location("cardcage_horovod_build", BUILD_HELPER)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -168,7 +171,7 @@ def test_without_horovod_availability_names_the_build_helper(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
     availability = HorovodAccelerator.availability(None)  # type: ignore[arg-type]
     assert not availability
-    assert "build_horovod.py --install" in availability.hint
+    assert "`python -m cardcage_horovod.build --install`" in availability.hint
 
 
 def test_a_module_horovods_workers_cannot_import_travels_by_value(tmp_path: Path) -> None:
@@ -224,3 +227,19 @@ def test_the_cache_is_keyed_by_horovod_and_torch_and_reused(
     monkeypatch.setattr(helper, "build_wheel", no_build)
     assert helper.ensure_wheel(sys.executable, "0.28.1") == wheel
     assert "reusing cached Horovod wheel" in capsys.readouterr().out
+
+
+def test_the_builder_ships_in_the_package_and_runs_as_the_hint_says() -> None:
+    """`python -m cardcage_horovod.build` works wherever the plugin is installed (a wheel
+    included): the hint's command needs no repository."""
+    assert importlib.util.find_spec("cardcage_horovod.build") is not None
+    result = subprocess.run(
+        [sys.executable, "-m", "cardcage_horovod.build", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m cardcage_horovod.build")
+    assert "--install" in result.stdout

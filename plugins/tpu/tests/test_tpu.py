@@ -72,7 +72,7 @@ def test_without_torch_xla_naming_it_says_how_to_install_it(
     with pytest.raises(MisconfigurationError) as error:
         select(env=ALONE, distributed_backend="tpu", tpu_cores=8)
     assert "torch_xla is not installed" in str(error.value)
-    assert "pip install 'cardcage[tpu]'" in str(error.value)
+    assert "pip install torch==2.9.0 torch-xla==2.9.0" in str(error.value)
 
 
 def test_a_torch_xla_for_another_torch_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,14 @@
 """Build (once) and cache a Horovod wheel for the torch of a Python environment.
 
 Horovod ships as an sdist only, and its PyTorch extension is tied to the torch it was compiled
-against, so cardcage builds it from source and keeps the wheel outside the repository, keyed by
+against, so cardcage builds it from source and keeps the wheel outside any project, keyed by
 the Horovod version and the torch version (``~/.cache/cardcage/horovod/<hvd>-torch<torch>/``).
 A second build for the same pair reuses the wheel.
+
+This module ships inside ``cardcage-horovod``: after ``pip install cardcage-horovod``,
+``python -m cardcage_horovod.build --install`` is the command the plugin's availability hint
+names. It uses the standard library alone, so the repository's noxfile loads it by path into
+an environment without torch.
 
 The build, as recorded in ``shared/research/horovod-and-torch-xla.md``:
 
@@ -21,12 +26,12 @@ The build, as recorded in ``shared/research/horovod-and-torch-xla.md``:
 
 Usage::
 
-    python plugins/horovod/build_horovod.py                # build or reuse; print the wheel
-    python plugins/horovod/build_horovod.py --install      # ... and install it here
-    python plugins/horovod/build_horovod.py --python .venv/bin/python --install
+    python -m cardcage_horovod.build                # build or reuse; print the wheel
+    python -m cardcage_horovod.build --install      # ... and install it here
+    python -m cardcage_horovod.build --python .venv/bin/python --install
 
 ``--install`` installs the wheel with ``--no-deps`` (pip never touches torch) and Horovod's
-runtime dependencies (cloudpickle, psutil, pyyaml, packaging) with torch pinned to the
+runtime dependencies (cloudpickle, psutil, pyyaml, packaging, cffi) with torch pinned to the
 installed version. ``CARDCAGE_CACHE_DIR`` moves the cache (default ``$XDG_CACHE_HOME/cardcage``
 or ``~/.cache/cardcage``). The build takes about 5 minutes on 2 cores.
 """
@@ -45,7 +50,8 @@ import time
 from pathlib import Path
 
 HOROVOD_VERSION = "0.28.1"
-RUNTIME_DEPENDENCIES = ("cloudpickle", "psutil", "pyyaml", "packaging")
+# The Requires-Dist of the Horovod 0.28.1 wheel (none names torch).
+RUNTIME_DEPENDENCIES = ("cloudpickle", "psutil", "pyyaml", "packaging", "cffi>=1.4.0")
 BUILD_ENV = {
     "HOROVOD_WITH_PYTORCH": "1",
     "HOROVOD_WITH_GLOO": "1",
@@ -56,10 +62,11 @@ BUILD_ENV = {
 }
 CXX14 = re.compile(r"set\(CMAKE_CXX_STANDARD 14\)")
 CXX_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
+PROG = "cardcage_horovod.build"
 
 
 def log(message: str) -> None:
-    print(f"build_horovod: {message}", flush=True)
+    print(f"{PROG}: {message}", flush=True)
 
 
 def cache_root() -> Path:
@@ -82,7 +89,7 @@ def torch_version(python: str) -> str:
         return _query(python, "import torch; print(torch.__version__)")
     except subprocess.CalledProcessError as error:
         raise SystemExit(
-            f"build_horovod: {python} cannot import torch, and Horovod's PyTorch extension is "
+            f"{PROG}: {python} cannot import torch, and Horovod's PyTorch extension is "
             f"built against the installed torch. Install torch first.\n{error.stderr}"
         ) from None
 
@@ -261,7 +268,7 @@ def install(python: str, wheel: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--python", default=sys.executable, help="the environment to build for (default: this)"
     )
