@@ -8,7 +8,6 @@ drew the wrong batches) shows up as different weights.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -255,11 +254,14 @@ def test_load_uses_weights_only_and_refuses_pickled_objects(tmp_path: Path) -> N
     torch.save(state, path)
 
     _unpickled.clear()
-    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+    # A MisconfigurationError that names the global and never suggests weights_only=False.
+    refused = r"refused by torch\.load\(weights_only=True\).*_record_unpickling"
+    with pytest.raises(cardcage.MisconfigurationError, match=refused) as raised:
         checkpoint.load(path)
+    assert "weights_only=False" not in str(raised.value)
     assert _unpickled == []
     resumed = cardcage.Trainer(max_epochs=2, resume_from_checkpoint=path, progress_bar=False)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(cardcage.MisconfigurationError, match=refused):
         resumed.fit(fresh_model(), loader())
     assert _unpickled == []
     # The payload does run code when loaded without weights_only: the refusal above mattered.

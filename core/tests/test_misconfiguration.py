@@ -59,15 +59,17 @@ CASES = {
     "unknown flag": bad("num_node=2", "Did you mean 'num_nodes'?", num_node=2),
     "benchmark='yes'": bad("benchmark='yes'", benchmark="yes"),
     "sync_batchnorm=1": bad("sync_batchnorm=1", sync_batchnorm=1),
+    "terminate_on_nan='yes'": bad("terminate_on_nan='yes'", terminate_on_nan="yes"),
+    "terminate_on_nan=1.5": bad("terminate_on_nan=1.5", terminate_on_nan=1.5),
     "default_root_dir=5": bad("default_root_dir=5", default_root_dir=5),
     "distributed_backend=''": bad("distributed_backend=''", distributed_backend=""),
     "distributed_backend=3": bad("distributed_backend=3", distributed_backend=3),
     "unknown backend": bad(
         "distributed_backend='dpp'", "Did you mean 'dp'?", distributed_backend="dpp"
     ),
-    "backend not installed": bad(
+    "backend disabled": bad(
         "distributed_backend='ddp2'",
-        "pip install cardcage-ddp2",
+        "disabled by CARDCAGE_DISABLE_PLUGINS='ddp2'",
         env={"CARDCAGE_DISABLE_PLUGINS": "ddp2"},
         distributed_backend="ddp2",
     ),
@@ -119,6 +121,90 @@ CASES = {
         "SLURM_PROCID='x'",
         env={"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "x"},
         num_processes=2,
+    ),
+    # rank variables against each other (those the detected cluster environment reads)
+    "LOCAL_RANK beyond LOCAL_WORLD_SIZE": bad(
+        "LOCAL_RANK=5",
+        "LOCAL_WORLD_SIZE=2",
+        env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "5", "RANK": "1"},
+    ),
+    "LOCAL_RANK beyond WORLD_SIZE": bad(
+        "LOCAL_RANK=5", "WORLD_SIZE=2", env={"WORLD_SIZE": "2", "LOCAL_RANK": "5", "RANK": "1"}
+    ),
+    "LOCAL_RANK=-1": bad(
+        "LOCAL_RANK=-1", "negative", env={"WORLD_SIZE": "2", "LOCAL_RANK": "-1", "RANK": "1"}
+    ),
+    "LOCAL_WORLD_SIZE beyond WORLD_SIZE": bad(
+        "LOCAL_WORLD_SIZE=4",
+        "WORLD_SIZE=2",
+        env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0", "RANK": "0"},
+    ),
+    "GROUP_RANK beyond WORLD_SIZE": bad(
+        "GROUP_RANK=3",
+        "WORLD_SIZE=2",
+        env={"TORCHELASTIC_RUN_ID": "r", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "RANK": "1"}
+        | {"GROUP_RANK": "3"},
+    ),
+    "RANK beyond WORLD_SIZE, no LOCAL_RANK": bad(
+        "RANK=7", "WORLD_SIZE=2", env={"WORLD_SIZE": "2", "RANK": "7"}, num_processes=2
+    ),
+    "SLURM_PROCID beyond SLURM_NTASKS": bad(
+        "SLURM_PROCID=7",
+        "SLURM_NTASKS=2",
+        env={"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "7"},
+        num_processes=2,
+    ),
+    "SLURM_LOCALID beyond SLURM_NTASKS_PER_NODE": bad(
+        "SLURM_LOCALID=2",
+        "SLURM_NTASKS_PER_NODE=2",
+        env={"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "3"}
+        | {"SLURM_LOCALID": "2", "SLURM_NODEID": "1", "SLURM_JOB_NAME": "train"},
+        num_processes=2,
+        num_nodes=2,
+    ),
+    "SLURM_LOCALID beyond SLURM_NTASKS": bad(
+        "SLURM_LOCALID=9",
+        "SLURM_NTASKS=2",
+        env={"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "9"},
+        num_processes=2,
+    ),
+    "SLURM_NODEID beyond SLURM_JOB_NUM_NODES": bad(
+        "SLURM_NODEID=2",
+        "SLURM_JOB_NUM_NODES=2",
+        env={"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_NODEID": "2"}
+        | {"SLURM_JOB_NUM_NODES": "2"},
+        num_processes=2,
+    ),
+    "OMPI_COMM_WORLD_RANK beyond its size": bad(
+        "OMPI_COMM_WORLD_RANK=5",
+        "OMPI_COMM_WORLD_SIZE=2",
+        env={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "5"},
+    ),
+    # cardcage's own variables (cardcage.variables)
+    "CARDCAGE_INIT_TIMEOUT=-5": bad(
+        "CARDCAGE_INIT_TIMEOUT='-5'", env={"CARDCAGE_INIT_TIMEOUT": "-5"}
+    ),
+    "CARDCAGE_INIT_TIMEOUT=0": bad("CARDCAGE_INIT_TIMEOUT='0'", env={"CARDCAGE_INIT_TIMEOUT": "0"}),
+    "CARDCAGE_INIT_TIMEOUT=nan": bad(
+        "CARDCAGE_INIT_TIMEOUT='nan'", env={"CARDCAGE_INIT_TIMEOUT": "nan"}
+    ),
+    "CARDCAGE_TIMEOUT='soon'": bad("CARDCAGE_TIMEOUT='soon'", env={"CARDCAGE_TIMEOUT": "soon"}),
+    "CARDCAGE_STUCK_WARN=inf": bad("CARDCAGE_STUCK_WARN='inf'", env={"CARDCAGE_STUCK_WARN": "inf"}),
+    "CARDCAGE_REQUEUE_SIGNAL='USR9'": bad(
+        "CARDCAGE_REQUEUE_SIGNAL='USR9'", env={"CARDCAGE_REQUEUE_SIGNAL": "USR9"}
+    ),
+    "CARDCAGE_REQUEUE_DIR a file": bad(
+        f"CARDCAGE_REQUEUE_DIR={__file__!r}", "not a folder", env={"CARDCAGE_REQUEUE_DIR": __file__}
+    ),
+    "CARDCAGE_CHECKPOINT_DIR under a file": bad(
+        f"CARDCAGE_CHECKPOINT_DIR={__file__ + '/sub'!r}",
+        "is a file",
+        env={"CARDCAGE_CHECKPOINT_DIR": __file__ + "/sub"},
+    ),
+    "CARDCAGE_RESTART_FROM missing": bad(
+        f"CARDCAGE_RESTART_FROM={MISSING_CHECKPOINT!r}",
+        "does not exist",
+        env={"CARDCAGE_RESTART_FROM": MISSING_CHECKPOINT},
     ),
     "CARDCAGE_PLUGINS_AUTOLOAD='maybe'": bad(
         "CARDCAGE_PLUGINS_AUTOLOAD='maybe'", env={"CARDCAGE_PLUGINS_AUTOLOAD": "maybe"}
@@ -172,7 +258,7 @@ def test_a_named_backend_that_cannot_run_here_says_why_and_how_to_fix_it(
     message = str(error.value)
     assert "distributed_backend='horovod'" in message
     assert "horovod is not installed" in message
-    assert "pip install 'cardcage[horovod]'" in message
+    assert "python -m cardcage_horovod.build --install" in message
 
 
 def test_misconfiguration_is_a_value_error() -> None:

@@ -297,7 +297,10 @@ def test_disabled_plugins_are_not_loaded() -> None:
 
 
 def test_naming_a_plugin_that_is_not_installed_is_recorded() -> None:
-    registry = PluginManager({"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "nope"}).load()
+    with pytest.warns(UserWarning, match="CARDCAGE_PLUGINS names 'nope'"):
+        registry = PluginManager(
+            {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "nope"}
+        ).load()
     (record,) = [r for r in registry.plugins if r.name == "nope"]
     assert record.status == "failed"
     assert "no installed distribution" in (record.error or "")

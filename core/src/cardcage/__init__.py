@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator, Availability, Resolution, Rule
-from cardcage.errors import MisconfigurationError, PluginError
+from cardcage.errors import (
+    CheckpointError,
+    MisconfigurationError,
+    NonFiniteLossError,
+    PluginError,
+)
 from cardcage.selection import Selection, SelectionContext, select
 from cardcage.spec import hookimpl
 from cardcage.trainer import Trainer
@@ -25,7 +30,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Accelerator",
     "Availability",
+    "CheckpointError",
     "MisconfigurationError",
+    "NonFiniteLossError",
     "PluginError",
     "Resolution",
     "Rule",

@@ -4,21 +4,33 @@ A checkpoint holds the model, the optimizers, the grad scaler, the epoch, the gl
 the position inside the epoch and the random states needed to draw the same batches again.
 It is written to a temporary file in the target folder, flushed to disk, then renamed over
 the target: a crash mid-write leaves the previous checkpoint whole.
+
+Checking ``resume_from_checkpoint`` before anything starts, and reading a checkpoint file
+with every failure explained (what :func:`load` does), are in :mod:`cardcage.resume_checks`;
+the names used elsewhere are re-exported here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import random
 import tempfile
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cardcage.errors import MisconfigurationError
-
-FORMAT = "cardcage-checkpoint/1"
+from cardcage import resume_checks
+from cardcage.errors import CheckpointError
+from cardcage.resume_checks import DCP_METADATA as DCP_METADATA
+from cardcage.resume_checks import FORMAT as FORMAT
+from cardcage.resume_checks import LOOP_FILE as LOOP_FILE
+from cardcage.resume_checks import Checked as Checked
+from cardcage.resume_checks import check_resume as check_resume
 
 
 def rng_state() -> dict[str, Any]:
@@ -56,46 +68,148 @@ def set_rng_state(states: dict[str, Any]) -> None:
 
 
 def save_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write ``payload`` to ``path`` so that readers see the old file or the new one."""
+    """Write ``payload`` to ``path`` so that readers see the old file or the new one.
+
+    A write that fails for want of space or permission (or any other ``OSError``) raises
+    :class:`~cardcage.errors.CheckpointError` naming the path and the cause; the previous
+    file at ``path`` stays whole and the partial temporary file is removed.
+    """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
-    )
+    if os.path.exists(target) and not os.path.isfile(target):
+        # The rename would replace a folder's entry or a device (/dev/full) by a file.
+        kind = "a folder" if os.path.isdir(target) else "a device, pipe or socket"
+        raise CheckpointError(
+            f"could not write checkpoint {target}: it is {kind}, not a file; nothing was "
+            "written there. Fix: give the path of a file.",
+            str(target),
+        )
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(
+            prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
+        )
+    except OSError as error:
+        raise write_error(target, error) from error
+    recorder = _Recorder()
     try:
         with os.fdopen(handle, "wb") as stream:
-            torch.save(payload, stream)
+            recorder.stream = stream
+            torch.save(payload, recorder)  # type: ignore[arg-type]  # write and flush suffice
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, target)
-    except BaseException:
+    except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
-        raise
-    directory = os.open(target.parent, os.O_RDONLY)
+        # torch reports a failed write as "unexpected pos 5504 vs 5398": find the OSError.
+        cause = recorder.error or _os_error(error)
+        if cause is None or not isinstance(error, Exception):
+            raise
+        raise write_error(target, cause) from cause
     try:
-        os.fsync(directory)  # the rename itself must reach the disk
-    finally:
-        os.close(directory)
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself must reach the disk
+        finally:
+            os.close(directory)
+    except OSError as error:
+        raise write_error(target, error, written=True) from error
     return target
 
 
+class _Recorder:
+    """The file object ``torch.save`` writes to: keeps the first ``OSError`` of a write,
+    which torch replaces by a message of its own."""
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            written: int = self.stream.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+        return written
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """``error`` or the first ``OSError`` it was raised from or during."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+_WRITE_ADVICE = {
+    errno.ENOSPC: "free space on that disk, or write the checkpoint to another one",
+    errno.EDQUOT: "free space within your disk quota, or write the checkpoint elsewhere",
+    errno.EACCES: "make that folder writable for this user, or write the checkpoint elsewhere",
+    errno.EPERM: "make that folder writable for this user, or write the checkpoint elsewhere",
+    errno.EROFS: "that disk is mounted read-only: write the checkpoint elsewhere",
+}
+
+
+def write_error(target: Path, cause: OSError, *, written: bool = False) -> CheckpointError:
+    """The :class:`CheckpointError` for a write of ``target`` that failed with ``cause``."""
+    code = cause.errno
+    reason = os.strerror(code) if code else (str(cause) or type(cause).__name__)
+    reason = reason[:1].lower() + reason[1:]
+    named = os.fspath(cause.filename) if isinstance(cause.filename, (str, os.PathLike)) else ""
+    temporary = os.path.basename(named).startswith(f".{target.name}.")
+    where = f" ({named})" if named and named != str(target) and not temporary else ""
+    message = f"could not write checkpoint {target}: {reason}"
+    message += f" (errno {code}){where}" if code else where
+    if written:
+        message += "; it was written but the rename may not have reached the disk"
+    elif target.is_file():
+        message += "; the previous checkpoint there is unchanged"
+    else:
+        message += "; nothing was written there"
+    advice = _WRITE_ADVICE.get(code) if code else None
+    if advice:
+        message += f". Fix: {advice}"
+    blocking = next((p for p in target.parents if os.path.lexists(p)), None)
+    if blocking is not None and not blocking.is_dir():
+        message += f". Fix: {blocking} is a file, not a folder: write the checkpoint elsewhere"
+    return CheckpointError(message + ".", str(target), code)
+
+
 def load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_atomic`, with ``weights_only=True``."""
+    """Read a checkpoint written by :func:`save_atomic`, with ``weights_only=True``.
+
+    Inside :func:`reusing`, the file that :func:`check_resume` read (unchanged since) is not
+    read again. A file that is missing, empty, truncated, not a torch file, refused by
+    ``weights_only`` or not a cardcage checkpoint raises
+    :class:`~cardcage.errors.MisconfigurationError` saying which.
+    """
+    checked = _reusable.get()
+    if checked is not None and map_location == "cpu" and checked.is_file(path):
+        _reusable.set(None)  # once: the caller may change what it was given
+        assert checked.payload is not None
+        return checked.payload
+    return resume_checks.read(path, map_location)
+
+
+_reusable: ContextVar[Checked | None] = ContextVar("cardcage_checked_checkpoint", default=None)
+
+
+@contextlib.contextmanager
+def reusing(checked: Checked | None) -> Iterator[None]:
+    """Within the block, :func:`load` of the file ``checked`` read returns what it read."""
+    token = _reusable.set(checked)
     try:
-        payload: dict[str, Any] = torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise MisconfigurationError(
-            f"resume_from_checkpoint={os.fspath(path)!r} does not exist."
-        ) from None
-    except IsADirectoryError:
-        raise MisconfigurationError(
-            f"resume_from_checkpoint={os.fspath(path)!r} is a folder: a sharded checkpoint, "
-            "which only the backend that wrote it reads. Resume with that distributed_backend, "
-            "or give a file written by trainer.save_checkpoint."
-        ) from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise MisconfigurationError(
-            f"resume_from_checkpoint={os.fspath(path)!r} is not a cardcage checkpoint. Give "
-            "a file written by trainer.save_checkpoint."
-        )
-    return payload
+        yield
+    finally:
+        _reusable.reset(token)

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from cardcage.errors import MisconfigurationError
 from cardcage.signals import REQUEUE_SIGNAL, parse_signal
+from cardcage.variables import env_switch as env_switch  # the parser of every switch
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -38,32 +39,28 @@ def env_int(env: Mapping[str, str], name: str, default: int | None = None) -> in
         ) from None
 
 
-def env_switch(
-    env: Mapping[str, str], name: str, default: bool, on: str = "", off: str = ""
-) -> bool:
-    """A 1/0 environment variable (also true/false, yes/no, on/off), or ``default`` when
-    unset or empty; anything else is an error saying what 1 (``on``) and 0 (``off``) do."""
-    raw = env.get(name, "")
-    word = raw.strip().lower()
-    if not word:
-        return default
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise MisconfigurationError(
-        f"environment variable {name}={raw!r} is not valid: set it to 1"
-        + (f" to {on}" if on else "")
-        + ", or 0"
-        + (f" to {off}" if off else "")
-        + "."
-    )
-
-
 def require_int(env: Mapping[str, str], name: str, default: int) -> int:
     """:func:`env_int` for a variable that always has a value (``default`` when unset)."""
     value = env_int(env, name, default)
     assert value is not None
+    return value
+
+
+def rank_in_range(name: str, value: int, size: int, against: str, fix: str) -> int:
+    """``value``, the rank variable ``name``, checked to be in ``0..size-1``.
+
+    ``against`` names what the size comes from (``"WORLD_SIZE=2"``), ``fix`` says what to do;
+    out of range, the processes would wait for a rank that never comes (or never exists).
+    """
+    if value < 0:
+        raise MisconfigurationError(
+            f"environment variable {name}={value} is negative: ranks count from 0 "
+            f"(0..{size - 1} for {against}). {fix}"
+        )
+    if value >= size:
+        raise MisconfigurationError(
+            f"environment variable {name}={value} is outside 0..{size - 1} for {against}. {fix}"
+        )
     return value
 
 

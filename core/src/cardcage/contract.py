@@ -154,15 +154,29 @@ def configure_optimizers(model: torch.nn.Module) -> Optimization:
 
 
 def extract_loss(output: Any, step: str = "training_step") -> torch.Tensor:
-    """The loss tensor of a step's output (a tensor, or a dict holding ``"loss"``)."""
+    """The loss tensor of a step's output (a tensor, or a dict holding ``"loss"``).
+
+    The loss must hold one value (shape ``[]``, or ``[1]``): backward needs a scalar. Checking
+    that reads only the tensor's shape, never its value (no device sync).
+    """
     if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        loss: torch.Tensor = output["loss"]
-        return loss
-    raise MisconfigurationError(
-        f"{step} returned {type(output).__name__}; return a loss tensor or a dict holding 'loss'."
-    )
+        loss: torch.Tensor = output
+        what = "a loss of shape"
+    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        loss = output["loss"]
+        what = "a dict whose 'loss' has shape"
+    else:
+        raise MisconfigurationError(
+            f"{step} returned {type(output).__name__}; return a loss tensor or a dict holding "
+            "'loss'."
+        )
+    if loss.numel() != 1:
+        shape = list(loss.shape)
+        raise MisconfigurationError(
+            f"{step} returned {what} {shape} ({loss.numel()} values); backward needs "
+            f"a single value. Reduce it in {step}, e.g. return loss.mean() (or loss.sum())."
+        )
+    return loss
 
 
 def metrics_of(output: Any, prefix: str) -> dict[str, torch.Tensor]:

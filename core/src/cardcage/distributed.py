@@ -10,6 +10,7 @@ only in how their processes come to exist; a third-party backend may subclass it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from datetime import timedelta
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
-from cardcage import exits, rendezvous
+from cardcage import exits, rendezvous, watchdog
 from cardcage.accelerator import Accelerator
 from cardcage.launchers import ScriptLauncher
 from cardcage.samplers import distributed_loader
@@ -147,6 +148,11 @@ class DistributedAccelerator(Accelerator):
                 world_size=self.world_size,
                 timeout=timeout,
             )
+        # The rendezvous may take CARDCAGE_INIT_TIMEOUT; a collective waits a little longer
+        # than CARDCAGE_TIMEOUT, so that the launcher's watcher names a stuck rank first.
+        with contextlib.suppress(AttributeError, ValueError, RuntimeError):
+            _set_pg_timeout = dist.distributed_c10d._set_pg_timeout  # no public API for this
+            _set_pg_timeout(watchdog.collective_timeout())
         if backend == "gloo":
             # Gloo's threads must be done before the interpreter finalizes (see exits.py).
             exits.register(exits.threads() - before)

@@ -17,7 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from cardcage.cluster import DEFAULT_MASTER_ADDR, ClusterEnvironment, env_int, require_int
+from cardcage.cluster import (
+    DEFAULT_MASTER_ADDR,
+    ClusterEnvironment,
+    env_int,
+    rank_in_range,
+    require_int,
+)
 from cardcage.errors import MisconfigurationError
 from cardcage.signals import REQUEUE_OFF, REQUEUE_SIGNAL, parse_signal
 from cardcage.slurm import INTERACTIVE_SLURM_JOB_NAMES, SLURMEnvironment, first_slurm_host
@@ -75,7 +81,29 @@ class LocalEnvironment(ClusterEnvironment):
         return rank
 
     def global_rank(self) -> int:
+        self._check_stale_ranks()
         return self.node_rank() * (self.expected_world_size // max(self.num_nodes, 1))
+
+    def _check_stale_ranks(self) -> None:
+        """``RANK`` and ``WORLD_SIZE`` without ``LOCAL_RANK``: cardcage starts the processes
+        and gives them their own, but a pair that contradicts itself is a launcher's mistake
+        (or left over from one), said here rather than ignored."""
+        rank, size = env_int(self.env, "RANK"), env_int(self.env, "WORLD_SIZE")
+        if rank is None or size is None:
+            return
+        if size < 1:
+            raise MisconfigurationError(
+                f"environment variable WORLD_SIZE={size} must be at least 1. Fix the "
+                "launcher's WORLD_SIZE, or unset it (cardcage starts the processes here)."
+            )
+        rank_in_range(
+            "RANK",
+            rank,
+            size,
+            f"WORLD_SIZE={size}",
+            "Fix the launcher's RANK or WORLD_SIZE (with LOCAL_RANK unset, cardcage starts the "
+            "processes and gives them their ranks), or unset both.",
+        )
 
 
 class TorchElasticEnvironment(ClusterEnvironment):
@@ -112,14 +140,45 @@ class TorchElasticEnvironment(ClusterEnvironment):
         return size
 
     def local_rank(self) -> int:
-        return require_int(self.env, "LOCAL_RANK", 0)
+        local = require_int(self.env, "LOCAL_RANK", 0)
+        per_node = self.local_world_size()
+        if per_node is not None:
+            against, size = f"LOCAL_WORLD_SIZE={per_node}", per_node
+        else:
+            against, size = f"WORLD_SIZE={self.world_size()}", self.world_size()
+        return rank_in_range(
+            "LOCAL_RANK",
+            local,
+            size,
+            against,
+            "Fix the launcher's LOCAL_RANK (this process's index on its node) or "
+            f"{against.partition('=')[0]}.",
+        )
 
     def local_world_size(self) -> int | None:
-        return env_int(self.env, "LOCAL_WORLD_SIZE")
+        size = env_int(self.env, "LOCAL_WORLD_SIZE")
+        if size is not None and not 0 < size <= self.world_size():
+            raise MisconfigurationError(
+                f"environment variable LOCAL_WORLD_SIZE={size} is outside 1.."
+                f"{self.world_size()} for WORLD_SIZE={self.world_size()}: a node runs at least "
+                "one of the job's processes and at most all of them. Fix the launcher's "
+                "LOCAL_WORLD_SIZE (the processes on this node) or WORLD_SIZE."
+            )
+        return size
 
     def node_rank(self) -> int:
         group = env_int(self.env, "GROUP_RANK")
-        return group if group is not None else require_int(self.env, "NODE_RANK", 0)
+        name, rank = ("GROUP_RANK", group) if group is not None else ("NODE_RANK", None)
+        if rank is None:
+            rank = require_int(self.env, "NODE_RANK", 0)
+        size = self.world_size()
+        return rank_in_range(
+            name,
+            rank,
+            size,
+            f"WORLD_SIZE={size} (a node runs at least one process)",
+            f"Fix the launcher's {name} (this node's index) or WORLD_SIZE.",
+        )
 
     def global_rank(self) -> int:
         local = self.local_rank()  # a bad LOCAL_RANK is reported as itself, first
@@ -137,12 +196,21 @@ class TorchElasticEnvironment(ClusterEnvironment):
                     "process, or launch with torchrun."
                 )
             rank = self.node_rank() * per_node + local
-        if not 0 <= rank < self.world_size():
-            raise MisconfigurationError(
-                f"environment variable RANK={rank} is outside 0..{self.world_size() - 1} for "
-                f"WORLD_SIZE={self.world_size()}. Fix the launcher's RANK or WORLD_SIZE."
-            )
-        return rank
+            if not 0 <= rank < self.world_size():
+                raise MisconfigurationError(
+                    f"RANK is not set, and the rank made of the node rank {self.node_rank()}, "
+                    f"LOCAL_WORLD_SIZE={per_node} and LOCAL_RANK={local} is {rank}, outside "
+                    f"0..{self.world_size() - 1} for WORLD_SIZE={self.world_size()}. Set RANK "
+                    "for every process, or fix the launcher's LOCAL_WORLD_SIZE or WORLD_SIZE."
+                )
+            return rank
+        return rank_in_range(
+            "RANK",
+            rank,
+            self.world_size(),
+            f"WORLD_SIZE={self.world_size()}",
+            "Fix the launcher's RANK or WORLD_SIZE.",
+        )
 
 
 class HorovodEnvironment(ClusterEnvironment):
@@ -167,28 +235,59 @@ class HorovodEnvironment(ClusterEnvironment):
     def detect(cls, env: Mapping[str, str], expected_world_size: int) -> bool:
         return "HOROVOD_RANK" in env or "OMPI_COMM_WORLD_RANK" in env
 
-    def _first(self, *names: str, default: int = 0) -> int:
+    def _named(self, *names: str, default: int = 0) -> tuple[str | None, int]:
+        """The first of ``names`` that is set, and its value; ``(None, default)`` if none."""
         for name in names:
             value = env_int(self.env, name)
             if value is not None:
-                return value
-        return default
+                return name, value
+        return None, default
+
+    def _first(self, *names: str, default: int = 0) -> int:
+        return self._named(*names, default=default)[1]
+
+    def _size(self, *names: str, default: int) -> tuple[str, int]:
+        name, size = self._named(*names, default=default)
+        if name is not None and size < 1:
+            raise MisconfigurationError(
+                f"environment variable {name}={size} must be at least 1. Start the job with "
+                "horovodrun or mpirun, which set it, and do not set it by hand."
+            )
+        return f"{name}={size}" if name else f"a size of {size}", size
+
+    def _rank(self, names: tuple[str, ...], size: tuple[str, int]) -> int:
+        name, rank = self._named(*names)
+        if name is None:
+            return rank
+        return rank_in_range(
+            name,
+            rank,
+            size[1],
+            size[0],
+            "Start the job with horovodrun or mpirun, which set the ranks, and do not set them "
+            "by hand (or unset ones left over from another job).",
+        )
 
     def world_size(self) -> int:
-        return self._first("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
+        return self._size("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)[1]
 
     def global_rank(self) -> int:
-        return self._first("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")
+        world = self._size("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
+        return self._rank(("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"), world)
 
     def local_rank(self) -> int:
-        return self._first("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+        names = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        size = self._size(*names, default=0) if self._named(*names)[0] else None
+        world = self._size("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
+        return self._rank(("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"), size or world)
 
     def local_world_size(self) -> int | None:
         size = self._first("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
         return size or None
 
     def node_rank(self) -> int:
-        return self._first("HOROVOD_CROSS_RANK", "OMPI_COMM_WORLD_NODE_RANK")
+        world = self._size("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
+        return self._rank(("HOROVOD_CROSS_RANK", "OMPI_COMM_WORLD_NODE_RANK"), world)
 
     provides_rendezvous: ClassVar[bool] = False
 

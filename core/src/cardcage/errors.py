@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MisconfigurationError(ValueError):
     """An invalid flag, environment variable or combination of them.
@@ -9,6 +11,29 @@ class MisconfigurationError(ValueError):
     Raised before any process, port or CUDA context exists. The message names the flag (or
     variable), the value it had, and what to set instead.
     """
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written: no space left, no permission, a read-only disk.
+
+    An ``OSError`` (``except OSError`` catches it) whose message names the checkpoint's path,
+    the cause and what to do. ``path`` is that path; ``errno`` the cause's error number (None
+    when the cause had none). The previous checkpoint at ``path``, if any, is left whole and
+    no partial file is left beside it.
+    """
+
+    def __init__(self, message: str, path: str | None = None, errno: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.errno = errno
+        self.filename = path
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # path and errno survive pickling
+        return (type(self), (self.message, self.path, self.errno))
 
 
 class PluginError(RuntimeError):
@@ -39,3 +64,34 @@ class RankFailedError(RuntimeError):
         if details:
             message += f"\n--- traceback of rank {rank} ---\n{details.rstrip()}"
         super().__init__(message)
+
+
+class NonFiniteLossError(RuntimeError):
+    """``training_step`` returned a NaN or infinite loss and ``terminate_on_nan=True``.
+
+    Raised in the training process at that step, before its backward and optimizer step (the
+    weights are those after the step before). ``global_step``, ``epoch`` and ``batch_idx``
+    name the step, as ``trainer.global_step`` and the ``batch_idx`` passed to
+    ``training_step`` had them; ``value`` is the loss (``nan``, ``inf`` or ``-inf``).
+    """
+
+    def __init__(self, message: str, *, global_step: int, epoch: int, batch_idx: int, value: float):
+        super().__init__(message)
+        self.global_step = global_step
+        self.epoch = epoch
+        self.batch_idx = batch_idx
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keyword-only fields survive pickling
+        return (
+            _rebuild_non_finite,
+            (self.args[0], self.global_step, self.epoch, self.batch_idx, self.value),
+        )
+
+
+def _rebuild_non_finite(
+    message: str, global_step: int, epoch: int, batch_idx: int, value: float
+) -> NonFiniteLossError:
+    return NonFiniteLossError(
+        message, global_step=global_step, epoch=epoch, batch_idx=batch_idx, value=value
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -39,6 +40,7 @@ class Flags:
     resume_from_checkpoint: str | None = None
     max_restarts: int = 0
     checkpoint_every_n_steps: int | None = None
+    terminate_on_nan: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -68,6 +70,44 @@ def _path(name: str, value: object) -> str | None:
             f"{name}={value!r} is not valid: {name} must be a path (str or os.PathLike)."
         )
     return os.fspath(value)  # type: ignore[return-value]
+
+
+def _writable_folder(name: str, value: object) -> str | None:
+    """A path that is a folder this process can write in, or can make and then write in.
+
+    Checked by creating nothing: the nearest folder that exists (the path itself, or the
+    parent that ``mkdir -p`` would start from) must take an unnamed temporary file
+    (``O_TMPFILE``; where a file system lacks it, a named one removed at once). A test of the
+    permission bits alone would pass as root in a read-only place such as ``/proc``.
+    """
+    path = _path(name, value)
+    if path is None:
+        return None
+    fix = "Give a folder you can write to (it is made when missing), or None to write no file."
+    absolute = os.path.abspath(path)
+    existing = absolute
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        if os.path.islink(existing) and not os.path.exists(existing):
+            what = f"{existing!r} is a link to {os.readlink(existing)!r}, which does not exist"
+        elif existing == absolute:
+            what = "it is a file, not a folder"
+        else:
+            what = f"{existing!r} is a file, so no folder can be made below it"
+        raise MisconfigurationError(f"{name}={path!r} is not valid: {what}. {fix}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        code = f" (errno {error.errno})" if error.errno else ""
+        where = "" if existing == absolute else f" (in {existing!r}, where it would be made)"
+        raise MisconfigurationError(
+            f"{name}={path!r} is not writable{where}: no file can be created there: "
+            f"{reason[:1].lower()}{reason[1:]}{code}. {fix}"
+        ) from None
+    return path
 
 
 def normalize_precision(value: object) -> int | str:
@@ -134,6 +174,12 @@ def validate_flags(**kwargs: Any) -> Flags:
         )
     for name in ("auto_select_gpus", "sync_batchnorm", "benchmark", "replace_sampler_ddp"):
         _bool(name, getattr(flags, name))
+    if not isinstance(flags.terminate_on_nan, bool):
+        raise MisconfigurationError(
+            f"terminate_on_nan={flags.terminate_on_nan!r} is not valid: terminate_on_nan must "
+            "be True (fit raises at the first NaN or infinite loss) or False (the default: a "
+            "warning names the first such step and training goes on)."
+        )
     if flags.distributed_backend is not None and (
         not isinstance(flags.distributed_backend, str) or not flags.distributed_backend.strip()
     ):
@@ -167,7 +213,7 @@ def validate_flags(**kwargs: Any) -> Flags:
             **flags.as_dict(),
             "distributed_backend": backend.strip().lower() if backend else None,
             "precision": normalize_precision(flags.precision),
-            "default_root_dir": _path("default_root_dir", flags.default_root_dir),
+            "default_root_dir": _writable_folder("default_root_dir", flags.default_root_dir),
             "resume_from_checkpoint": resume,
             # A tuple of ids reads like a list; any other tuple stays as given, so that the
             # error from device parsing shows the value the user wrote.

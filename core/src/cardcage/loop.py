@@ -13,17 +13,21 @@ random state the next epoch depends on.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cardcage import restarts
+from cardcage import restarts, watchdog
 from cardcage.checkpoint import rng_state, set_rng_state
 from cardcage.contract import extract_loss, mean_metrics, metrics_of
+from cardcage.errors import MisconfigurationError, NonFiniteLossError
 
 if TYPE_CHECKING:
+    from cardcage.flags import Flags
     from cardcage.protocol import TrainerProtocol as Trainer
     from cardcage.strategy import Strategy
 
@@ -49,8 +53,132 @@ def _length(loader: Any) -> int | None:
         return None
 
 
+def check_train_dataloader(loader: Any, flags: Flags) -> None:
+    """Before any training process starts: a train loader of length 0 is an error when
+    ``max_steps`` asks for steps, else a warning that no training step will run."""
+    if _length(loader) != 0:
+        return
+    hint = _empty_hint(loader)
+    if flags.max_steps is not None:
+        raise MisconfigurationError(
+            f"train_dataloader has length 0, but max_steps={flags.max_steps} asks for "
+            f"{flags.max_steps} training steps.{hint} Give train_dataloader at least one "
+            "batch, or leave max_steps=None."
+        )
+    warnings.warn(
+        f"cardcage: train_dataloader has length 0: no training step will run and fit leaves "
+        f"the weights as they are.{hint} Give train_dataloader at least one batch.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _empty_hint(loader: Any) -> str:
+    """Why a DataLoader is empty, when its settings say so."""
+    samples = _length(getattr(loader, "dataset", None))
+    batch_size = getattr(loader, "batch_size", None)
+    if samples == 0:
+        return " Its dataset is empty."
+    if getattr(loader, "drop_last", False) and samples and batch_size and samples < batch_size:
+        return (
+            f" drop_last=True drops its only batch: the dataset holds {samples} sample(s), "
+            f"fewer than batch_size={batch_size}; use drop_last=False or a smaller batch_size."
+        )
+    return ""
+
+
+def _place(trainer: Trainer, global_step: int, batch_idx: int) -> str:
+    """``global_step=N (epoch E, batch_idx=B)``, and the rank when there are several."""
+    rank = trainer.accelerator
+    on = f" on rank {rank.global_rank}" if rank.world_size > 1 else ""
+    return f"global_step={global_step} (epoch {trainer.current_epoch}, batch_idx={batch_idx}){on}"
+
+
+def _stop_on_nan(trainer: Trainer, loss: torch.Tensor, batch_idx: int) -> None:
+    """``terminate_on_nan=True``: raise when this step's loss is NaN or infinite, before its
+    backward and optimizer step. Reading the verdict is one device sync a step."""
+    if bool(torch.isfinite(loss).all()):
+        return
+    value = float(loss.detach().reshape(-1)[0])
+    place = _place(trainer, trainer.global_step, batch_idx)
+    raise NonFiniteLossError(
+        f"training_step returned a loss of {value} at {place}; terminate_on_nan=True stopped "
+        "training there, before that step's backward and optimizer step (the weights are those "
+        "of the step before). Look for a learning rate too high, a log or division of zero, "
+        "float16 overflow (try precision=32 or 'bf16') or bad values in that batch.",
+        global_step=trainer.global_step,
+        epoch=trainer.current_epoch,
+        batch_idx=batch_idx,
+        value=value,
+    )
+
+
+def _warn_non_finite(
+    trainer: Trainer, chunk: torch.Tensor, last_step: int, last_batch: int
+) -> bool:
+    """Whether ``chunk`` (the losses of consecutive steps, the last of them ``last_step``)
+    holds a NaN or infinite loss; if so, warn naming the first. One device sync a chunk."""
+    finite = torch.isfinite(chunk)
+    if bool(finite.all()):
+        return False
+    index = int((~finite).nonzero()[0, 0])
+    back = chunk.numel() - 1 - index
+    place = _place(trainer, last_step - back, last_batch - back)
+    warnings.warn(
+        f"cardcage: training_step returned a loss of {float(chunk[index])} at {place}. "
+        "Training goes on (terminate_on_nan=False) and this warning is not repeated in this "
+        "fit. Set Trainer(terminate_on_nan=True) to stop at the first NaN or infinite loss.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return True
+
+
+def _no_batch(trainer: Trainer, loader: Any, epoch: int) -> None:
+    """This rank's train loader yielded no batch in ``epoch``: an error when ``max_steps``
+    asks for more steps, else a warning (unless ``fit`` warned already: length 0)."""
+    rank = trainer.accelerator
+    length = _length(loader)
+    said = f"train_dataloader yielded no batch in epoch {epoch}" + (
+        f" on rank {rank.global_rank} of {rank.world_size}" if rank.world_size > 1 else ""
+    )
+    if length is not None:
+        said += f" (its length there is {length})"
+    fix = (
+        "A loader that yields its batches only once (a generator) must be one that can be "
+        "iterated every epoch, such as a DataLoader."
+        if trainer.global_step  # it yielded batches before
+        else f"Give each of the {rank.world_size} processes at least one batch (at least "
+        f"{rank.world_size} x batch_size samples, or drop_last=False)."
+        if rank.world_size > 1
+        else "Give train_dataloader at least one batch."
+    )
+    if trainer.flags.max_steps is not None:
+        raise MisconfigurationError(
+            f"{said}, but max_steps={trainer.flags.max_steps} asks for "
+            f"{trainer.flags.max_steps - trainer.global_step} more training steps. {fix}"
+        )
+    if _length(trainer.train_dataloader) != 0:  # else fit warned before training started
+        warnings.warn(f"cardcage: {said}: no training step ran. {fix}", UserWarning, stacklevel=2)
+
+
+def _still() -> None:
+    """No watcher (:mod:`cardcage.watchdog`) counts this rank's progress."""
+
+
 def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
     """Train ``trainer.model`` until ``max_epochs`` or ``max_steps``."""
+    heart = watchdog.attach()
+    try:
+        _train(trainer, accelerator, heart.beat if heart is not None else _still)
+    finally:
+        if heart is not None:
+            heart.close()
+
+
+def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) -> None:
+    """:func:`fit_loop`'s work; ``beat`` counts progress for the stuck-rank watcher (three
+    beats a step: before the step, after it returned, after the optimizer step)."""
     model = trainer.model
     optimization = trainer.optimization
     optimizers = optimization.optimizers
@@ -70,6 +198,11 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
         after_backward = None
     skip, resume_rng, rng_after_fetch = trainer.resume_position()
     every = restarts.steps_between_checkpoints(trainer.flags)
+    # NaN or infinite losses: terminate_on_nan checks each step (one sync a step); otherwise
+    # each chunk of LOSS_CHUNK losses is checked once, until the first warning.
+    stop = functools.partial(_stop_on_nan, trainer) if trainer.flags.terminate_on_nan else None
+    watch_nan = stop is None
+    empty_warned = False
 
     epoch = trainer.current_epoch
     while epoch < max_epochs and trainer.global_step < max_steps:
@@ -82,6 +215,7 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
         losses: list[torch.Tensor] = []  # stacked into one tensor every LOSS_CHUNK steps
         pending: list[torch.Tensor] = []
         trainer.in_epoch = True
+        batch_idx = -1  # stays -1 when the loader yields nothing
         for batch_idx, batch in enumerate(loader):
             if skip:  # resuming inside an epoch: draw the same batches, train on the rest
                 skip -= 1
@@ -94,6 +228,7 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
                 resume_rng = None
             if to_device is not None:
                 batch = to_device(batch)
+            beat()
             if single:
                 for optimizer in optimizers:
                     optimizer.zero_grad()
@@ -102,7 +237,13 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
                 else:
                     with autocast():
                         output = step(batch, batch_idx)
-                loss = output if isinstance(output, torch.Tensor) else extract_loss(output)
+                beat()
+                if isinstance(output, torch.Tensor) and output.numel() == 1:
+                    loss = output
+                else:  # a dict, or a loss of several values (an error)
+                    loss = extract_loss(output)
+                if stop is not None:
+                    stop(loss, batch_idx)
                 backward(loss)
                 if after_backward is not None:
                     precision.unscale(optimizers)
@@ -111,13 +252,18 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
                     optimizer_step(optimizer)
             else:
                 loss = _per_optimizer_step(
-                    step, batch, batch_idx, optimizers, accelerator, after_backward
+                    step, batch, batch_idx, optimizers, accelerator, after_backward, beat, stop
                 )
+            beat()
             precision.update()
             pending.append(loss.detach())
             if len(pending) == LOSS_CHUNK:  # thousands of tiny tensors fragment memory
-                losses.append(torch.stack(pending))
+                losses.append(torch.stack(pending).reshape(-1))
                 pending.clear()
+                if watch_nan and _warn_non_finite(
+                    trainer, losses[-1], trainer.global_step, batch_idx
+                ):
+                    watch_nan = False
             trainer.global_step += 1
             trainer.batch_idx = batch_idx + 1
             if bar.enabled:
@@ -131,14 +277,21 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
         trainer.in_epoch = False
         epoch_done = trainer.global_step < max_steps or trainer.batch_idx == _length(loader)
         if pending:
-            losses.append(torch.stack(pending))
+            losses.append(torch.stack(pending).reshape(-1))
+            if watch_nan and _warn_non_finite(
+                trainer, losses[-1], trainer.global_step - 1, trainer.batch_idx - 1
+            ):
+                watch_nan = False
+        if batch_idx < 0 and not empty_warned:
+            _no_batch(trainer, loader, epoch)
+            empty_warned = True
         trainer.record_losses(losses)
         accelerator.on_epoch_end(trainer)
         if epoch_done:
             trainer.current_epoch, trainer.batch_idx = epoch + 1, 0
             for scheduler in optimization.schedulers:
                 scheduler.step()
-        metrics = run_validation(trainer, accelerator, val_loaders) if val_loaders else {}
+        metrics = run_validation(trainer, accelerator, val_loaders, beat) if val_loaders else {}
         bar.end_epoch(metrics)
         epoch += 1
 
@@ -150,6 +303,8 @@ def _per_optimizer_step(
     optimizers: list[torch.optim.Optimizer],
     accelerator: Strategy,
     after_backward: Any = None,
+    beat: Callable[[], None] = _still,
+    stop: Callable[[torch.Tensor, int], None] | None = None,
 ) -> torch.Tensor:
     """Lightning 1.0's multi-optimizer contract: one step per optimizer, ``optimizer_idx``."""
     precision = accelerator.precision
@@ -161,7 +316,10 @@ def _per_optimizer_step(
         else:
             with precision.autocast():
                 output = step(batch, batch_idx, optimizer_idx=index)
+        beat()
         loss = extract_loss(output)
+        if stop is not None:  # terminate_on_nan
+            stop(loss, batch_idx)
         accelerator.backward(loss)
         if after_backward is not None:
             precision.unscale([optimizer])
@@ -176,6 +334,7 @@ def evaluate(
     loaders: Iterable[Any],
     step_name: str,
     prefix: str,
+    beat: Callable[[], None] = _still,
 ) -> dict[str, float]:
     """Run ``step_name`` over ``loaders`` without gradients; return the mean metrics.
 
@@ -192,6 +351,7 @@ def evaluate(
         model.eval()
         for loader in loaders:
             for batch_idx, batch in enumerate(loader):
+                beat()
                 if to_device is not None:
                     batch = to_device(batch)
                 if autocast is None:
@@ -210,7 +370,9 @@ def evaluate(
     return reduced
 
 
-def run_validation(trainer: Trainer, accelerator: Strategy, loaders: list[Any]) -> dict[str, float]:
+def run_validation(
+    trainer: Trainer, accelerator: Strategy, loaders: list[Any], beat: Callable[[], None] = _still
+) -> dict[str, float]:
     if not callable(getattr(trainer.model, "validation_step", None)):
         return {}
-    return evaluate(trainer, accelerator, loaders, "validation_step", "val")
+    return evaluate(trainer, accelerator, loaders, "validation_step", "val", beat)

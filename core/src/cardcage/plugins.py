@@ -9,6 +9,12 @@ that ship with cardcage are found the same way. Loading follows four environment
 - ``CARDCAGE_STRICT_PLUGINS=1``: a plugin that fails to import or register is an error
   instead of being skipped and listed.
 
+A name in ``CARDCAGE_PLUGINS`` or ``CARDCAGE_DISABLE_PLUGINS`` that no installed
+distribution provides warns (with a did-you-mean) and is listed by ``cardcage plugins``. The
+variables are parsed by :mod:`cardcage.variables`; what to say about them (unknown names, no
+backend loaded, a shipped backend not loaded, install hints) is in
+:mod:`cardcage.plugin_settings`, whose public names are re-exported here.
+
 Nothing here imports a backend's engine (horovod, torch_xla); only the plugin modules.
 """
 
@@ -19,6 +25,7 @@ import gc
 import importlib.metadata as metadata
 import traceback
 import types
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,38 +35,21 @@ import pluggy
 from cardcage import spec
 from cardcage.accelerator import Accelerator, Rule
 from cardcage.environments import BUILTIN_ENVIRONMENTS, ClusterEnvironment
-from cardcage.errors import MisconfigurationError, PluginError
+from cardcage.errors import PluginError
+from cardcage.plugin_settings import KNOWN_BACKENDS as KNOWN_BACKENDS
+from cardcage.plugin_settings import SETTINGS, unknown_plugin
+from cardcage.plugin_settings import install_command as install_command
+from cardcage.plugin_settings import no_backend_loaded as no_backend_loaded
+from cardcage.plugin_settings import why_not_loaded as why_not_loaded
+from cardcage.variables import (
+    DISABLE_PLUGINS,
+    PLUGINS,
+    plugin_names,
+    plugins_autoload,
+    strict_plugins,
+)
 
 GROUP = "cardcage"
-SETTINGS = (
-    "CARDCAGE_DISABLE_PLUGINS",
-    "CARDCAGE_PLUGINS_AUTOLOAD",
-    "CARDCAGE_PLUGINS",
-    "CARDCAGE_STRICT_PLUGINS",
-)
-FALSE_WORDS = ("0", "false", "no", "off")
-TRUE_WORDS = ("1", "true", "yes", "on", "")
-
-#: The backends that ship with cardcage, for install hints only (never imported by name).
-KNOWN_BACKENDS: dict[str, str] = {
-    "cpu": "cardcage-cpu",
-    "gpu": "cardcage-gpu",
-    "dp": "cardcage-dp",
-    "ddp": "cardcage-ddp",
-    "ddp2": "cardcage-ddp2",
-    "ddp_spawn": "cardcage-spawn",
-    "spawn": "cardcage-spawn",
-    "ddp_cpu": "cardcage-spawn",
-    "horovod": "cardcage-horovod",
-    "tpu": "cardcage-tpu",
-    "fsdp": "cardcage-fsdp",
-    "fsdp_spawn": "cardcage-fsdp",
-}
-
-
-def install_command(name: str) -> str:
-    """The pip command that installs the plugin providing backend ``name``."""
-    return f"pip install {KNOWN_BACKENDS.get(name, f'cardcage-{name}')}"
 
 
 @dataclass(frozen=True)
@@ -70,7 +60,7 @@ class PluginRecord:
     module: str
     distribution: str | None
     version: str | None
-    status: str  # loaded | failed | disabled | not autoloaded
+    status: str  # loaded | failed | disabled | not autoloaded | not installed
     error: str | None = None
     accelerators: tuple[str, ...] = ()
 
@@ -94,6 +84,8 @@ class Registry:
     environments: tuple[type[ClusterEnvironment], ...] = BUILTIN_ENVIRONMENTS
     plugins: list[PluginRecord] = field(default_factory=list)
     hooks: Any = None  # the pluggy hook relay, for lifecycle and report hooks
+    #: The plugin settings (:data:`SETTINGS`) this registry was loaded with.
+    settings: dict[str, str | None] = field(default_factory=dict)
 
     def canonical(self, name: str) -> str | None:
         """The canonical backend name for a name or alias, or ``None`` if unknown."""
@@ -110,24 +102,6 @@ class Registry:
         """All rules of all backends, ascending by order, ties by backend name."""
         pairs = [(rule, reg) for reg in self.accelerators.values() for rule in reg.cls.rules]
         return sorted(pairs, key=lambda pair: (pair[0].order, pair[1].cls.name))
-
-
-def _split_names(value: str | None) -> set[str]:
-    return {piece.strip() for piece in (value or "").split(",") if piece.strip()}
-
-
-def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None:
-        return default
-    word = raw.strip().lower()
-    if word in FALSE_WORDS:
-        return False
-    if word in TRUE_WORDS:
-        return True
-    raise MisconfigurationError(
-        f"environment variable {name}={raw!r} is not a switch. Set it to 1 or 0."
-    )
 
 
 def _failure(error: BaseException) -> str:
@@ -186,7 +160,7 @@ class PluginManager:
         from cardcage import lifecycle
 
         self.pm.register(lifecycle, name="cardcage.lifecycle")
-        self.strict = _switch(env, "CARDCAGE_STRICT_PLUGINS", False)
+        self.strict = strict_plugins(env)
         self.records: list[PluginRecord] = []
 
     def _record(self, record: PluginRecord, error: BaseException | None = None) -> None:
@@ -202,16 +176,16 @@ class PluginManager:
             return self._load()
 
     def _load(self) -> Registry:
-        disabled = _split_names(self.env.get("CARDCAGE_DISABLE_PLUGINS"))
-        autoload = _switch(self.env, "CARDCAGE_PLUGINS_AUTOLOAD", True)
-        wanted = _split_names(self.env.get("CARDCAGE_PLUGINS"))
-        found: set[str] = set()
+        disabled = plugin_names(self.env, DISABLE_PLUGINS)
+        autoload = plugins_autoload(self.env)
+        wanted = plugin_names(self.env, PLUGINS)
+        distributions: dict[str, str | None] = {}  # every entry point's name -> distribution
         sources: dict[str, tuple[str | None, str | None]] = {}
         for ep in sorted(metadata.entry_points(group=GROUP), key=lambda e: e.name):
             dist = getattr(ep, "dist", None)
             dist_name, version = _identity(dist)
             base = PluginRecord(ep.name, ep.value, dist_name, version, status="found")
-            found.add(ep.name)
+            distributions.setdefault(ep.name, dist_name)
             if ep.name in disabled:
                 self._record(replace(base, status="disabled"))
                 continue
@@ -245,19 +219,18 @@ class PluginManager:
                         f"CARDCAGE_DISABLE_PLUGINS={name}."
                     ) from None
                 sources[name] = (None, None)
-        for name in sorted(wanted - found - set(self.extra)):
-            self._record(
-                PluginRecord(
-                    name,
-                    "",
-                    None,
-                    None,
-                    "failed",
-                    error=f"CARDCAGE_PLUGINS names {name!r}, but no installed distribution has a "
-                    "'cardcage' entry point of that name",
-                )
-            )
-        return self._build(sources)
+        known = {**distributions, **dict.fromkeys(self.extra)}
+        for variable, names, status in (
+            (PLUGINS, wanted, "failed"),
+            (DISABLE_PLUGINS, disabled, "not installed"),
+        ):
+            for name in sorted(names - set(known)):
+                said = unknown_plugin(variable, name, known)
+                warnings.warn(f"cardcage: {said}", UserWarning, stacklevel=1)
+                self._record(PluginRecord(name, "", None, None, status, error=said))
+        registry = self._build(sources)
+        registry.settings = {name: self.env.get(name) for name in SETTINGS}
+        return registry
 
     def _build(self, sources: dict[str, tuple[str | None, str | None]]) -> Registry:
         registry = Registry(hooks=self.pm.hook, plugins=self.records)

@@ -18,6 +18,7 @@ from cardcage.errors import MisconfigurationError
 from cardcage.failures import ERROR_FILE
 from cardcage.rendezvous import HOSTED_STORE, host_store, hosted_store, release_store
 from cardcage.supervisor import Child, Supervisor, set_parent_death_signal
+from cardcage.watchdog import HEARTBEAT, Watch
 
 log = logging.getLogger("cardcage")
 
@@ -98,6 +99,10 @@ def relaunch_script(
         env[HOSTED_STORE] = "1"
     errors = Path(tempfile.mkdtemp(prefix="cardcage-errors-"))
     atexit.register(shutil.rmtree, errors, True)  # the children's error files, once read
+    # This process starts every rank (one node): it watches their progress too.
+    watch = Watch(errors, world_size) if hosted else None
+    if watch is not None:
+        env[HEARTBEAT] = str(errors)
     env.update(
         {
             "MASTER_ADDR": master_address,
@@ -139,7 +144,10 @@ def relaunch_script(
     os.environ.update(env)
     os.environ.update({"LOCAL_RANK": "0", "RANK": str(base_rank)})
     supervisor = Supervisor(
-        children, store=hosted_store() if hosted else None, world_size=world_size if hosted else 0
+        children,
+        store=hosted_store() if hosted else None,
+        world_size=world_size if hosted else 0,
+        watch=watch,
     )
     _relaunched["supervisor"] = supervisor
     log.info(

@@ -12,9 +12,13 @@ listening socket), and gloo binds to the loopback interface (:func:`loopback_int
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 from datetime import timedelta
 from typing import Any
+
+from cardcage.errors import MisconfigurationError
 
 # Re-exported: the rest of the core (and the SDK) find them here.
 from cardcage.variables import INIT_TIMEOUT as INIT_TIMEOUT
@@ -23,6 +27,8 @@ from cardcage.variables import init_timeout as init_timeout
 HOSTED_STORE = "CARDCAGE_HOSTED_STORE"
 #: The loopback address a single-node job meets at when nothing else is set.
 DEFAULT_ADDRESS = "127.0.0.1"
+#: Seconds the name of the rendezvous host may take to resolve before the job is refused.
+RESOLVE_TIMEOUT = 5.0
 
 
 _hosted: dict[str, Any] = {}
@@ -79,3 +85,70 @@ def arrival_key(rank: int) -> str:
 def release_store() -> None:
     """Forget the store this process hosts (its workers have all left)."""
     _hosted.pop("store", None)
+
+
+# -- the rendezvous address, checked before any process starts -------------------------------
+
+_resolved: dict[str, str] = {}
+
+
+def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> str | None:
+    """Resolve ``host`` with ``socket.getaddrinfo`` in a daemon thread, giving up after
+    ``timeout`` seconds: ``None`` when it resolves, else the resolver's error in words.
+    Successes are remembered per name (one lookup per process)."""
+    if host in _resolved:
+        return None
+    outcome: list[str | None] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            outcome.append(None)
+        except (OSError, UnicodeError) as error:  # socket.gaierror, an IDNA error
+            outcome.append(str(error) or type(error).__name__)
+
+    thread = threading.Thread(target=lookup, name="cardcage-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"the resolver gave no answer within {timeout:g}s"
+    error = outcome[0]
+    if error is None:
+        _resolved[host] = host
+    return error
+
+
+def check_master_address(selection: Any, needs_rendezvous: bool) -> None:
+    """Refuse a rendezvous host that does not resolve, in the process that called ``fit``,
+    before any process or port exists (a rank would otherwise wait for the others until
+    ``CARDCAGE_INIT_TIMEOUT``, the cause unnamed).
+
+    Only a job of several processes that meet through ``MASTER_ADDR`` is checked, and only
+    an address that was given (``MASTER_ADDR``) or that a cluster environment derived (the
+    first host of the SLURM node list); the default loopback address is never looked up.
+    Whether something listens there is the rendezvous's to find out.
+    """
+    if not needs_rendezvous or selection.world_size <= 1:
+        return
+    given = os.environ.get("MASTER_ADDR", "").strip()
+    address = given or (selection.master_address or "").strip()
+    if not address or address == DEFAULT_ADDRESS:
+        return
+    error = resolve(address)
+    if error is None:
+        return
+    if given:
+        what = f"environment variable MASTER_ADDR={address!r}"
+        fix = (
+            "Set MASTER_ADDR to the host name or IP address of the machine that runs rank 0 "
+            "(one every node can resolve), or unset it on a single machine"
+        )
+    else:
+        what = (
+            f"the rendezvous host {address!r} (derived by the {selection.cluster!r} cluster "
+            "environment)"
+        )
+        fix = "Set MASTER_ADDR to the host name or IP address of the machine that runs rank 0"
+    raise MisconfigurationError(
+        f"{what} does not resolve ({error}), so the job's processes could not meet there. {fix}."
+    )

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from cardcage import checkpoint
 from cardcage.agreement import AGREE_TIMEOUT, DONE, FOREVER, NEVER, agree, say
+from cardcage.errors import CheckpointError
 
 if TYPE_CHECKING:
     from cardcage.cluster import ClusterEnvironment
@@ -61,6 +62,8 @@ REQUEUE_DIR = "CARDCAGE_REQUEUE_DIR"
 #: The exit status of every rank after a requeue (``EX_TEMPFAIL``: try again later).
 REQUEUED_EXIT_STATUS = 75
 SAVE_TIMEOUT = timedelta(hours=1)
+#: Starts the result rank 0 publishes when it could not write the requeue checkpoint.
+FAILED = "failed: "
 
 
 class Requeued(SystemExit):
@@ -319,7 +322,17 @@ class RequeueHandler:
         state = trainer.checkpoint_state()  # every rank: a sharded backend gathers here
         if self.rank == 0:
             assert state is not None, "gather_state returned None on rank 0"
-            checkpoint.save_atomic(state, self.path)
+            try:
+                checkpoint.save_atomic(state, self.path)
+            except CheckpointError as error:
+                # No checkpoint, so no requeue: every rank fails with the cause, now (the
+                # others would otherwise wait SAVE_TIMEOUT for a result).
+                failed = f"job {job} was not requeued: {error}"
+                say(failed)
+                if self.store is not None:
+                    self.store.set(self.prefix + "result", FAILED + failed)
+                    self._wait_for_readers()
+                raise CheckpointError(failed, error.path, error.errno) from error
             say(
                 f"checkpoint at global step {trainer.global_step} (epoch "
                 f"{trainer.current_epoch}, batch {trainer.batch_idx}) written to {self.path}"
@@ -335,15 +348,20 @@ class RequeueHandler:
             say(result)
             if self.store is not None:
                 self.store.set(self.prefix + "result", result)
-                # This process hosts the store: let the others read the result first.
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    if int(self.store.add(self.prefix + "left", 0)) >= self.world_size - 1:
-                        break
-                    time.sleep(0.05)
+                self._wait_for_readers()
         else:
             key = self.prefix + "result"
             self.store.wait([key], SAVE_TIMEOUT)
             result = self.store.get(key).decode()
             self.store.add(self.prefix + "left", 1)
+            if result.startswith(FAILED):
+                raise CheckpointError(result.removeprefix(FAILED), str(self.path))
         raise Requeued(result)
+
+    def _wait_for_readers(self) -> None:
+        """This process hosts the store: let the others read the result first."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if int(self.store.add(self.prefix + "left", 0)) >= self.world_size - 1:
+                break
+            time.sleep(0.05)

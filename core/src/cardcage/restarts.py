@@ -105,6 +105,21 @@ def _folder_for(trainer: Trainer) -> Iterator[Path | None]:
             os.environ[CHECKPOINT_DIR] = previous
 
 
+@contextlib.contextmanager
+def _restart_from_restored() -> Iterator[None]:
+    """``CARDCAGE_RESTART_FROM`` as it was before this ``fit``: a restart sets it for the
+    processes it starts again, and it must not outlive them (the next Trainer of the script
+    would resume from it, or find it gone with the temporary folder)."""
+    before = os.environ.get(RESTART_FROM)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RESTART_FROM, None)
+        else:
+            os.environ[RESTART_FROM] = before
+
+
 def launch(launcher: Launcher, trainer: Trainer) -> Any:
     """``launcher.launch(trainer)``, started again after a rank's death while restarts last."""
     allowed = trainer.flags.max_restarts
@@ -119,7 +134,7 @@ def launch(launcher: Launcher, trainer: Trainer) -> Any:
         )
     if not launcher.restartable:
         allowed = 0
-    with _folder_for(trainer) as folder:
+    with _folder_for(trainer) as folder, _restart_from_restored():
         # A rank that trains in this process changes the model in place: keep its start.
         initial = copy.deepcopy(trainer.model.state_dict()) if allowed else None
         hook = sys.excepthook  # torch wraps it at every init_process_group

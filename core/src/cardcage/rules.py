@@ -33,12 +33,19 @@ def check_availability(cls: type[Accelerator], ctx: SelectionContext) -> Availab
 
 
 def _unknown_backend(name: str, registry: plugins.Registry) -> MisconfigurationError:
+    empty = plugins.no_backend_loaded(registry)
     if name in plugins.KNOWN_BACKENDS:
+        why = plugins.why_not_loaded(registry, name)
+        if why is not None:
+            return MisconfigurationError(f"distributed_backend={name!r} is not loaded: {why}.")
         return MisconfigurationError(
             f"distributed_backend={name!r} is a cardcage backend whose plugin is not "
-            f"installed (or was disabled). Install it with `{plugins.install_command(name)}`, "
-            "or pick an installed backend: " + ", ".join(registry.names()) + "."
+            f"installed. Install it with `{plugins.install_command(name)}`, or "
+            + (f"load a backend ({empty})" if empty else "pick an installed backend: ")
+            + ("" if empty else ", ".join(registry.names()) + ".")
         )
+    if empty:
+        return MisconfigurationError(f"distributed_backend={name!r} cannot be selected: {empty}")
     return MisconfigurationError(
         f"distributed_backend={name!r} is not an installed backend."
         f"{did_you_mean(name, registry.names())} Installed: {', '.join(registry.names())}."
@@ -161,6 +168,9 @@ def run_rules(
             warnings.append(rule.warning)
         chosen = (cls, name, rule.why)
     if chosen is None:
+        empty = plugins.no_backend_loaded(registry)
+        if empty:
+            raise MisconfigurationError(f"cardcage cannot choose a backend: {empty}")
         raise MisconfigurationError(
             "no installed backend claims this job (is cardcage-cpu installed and enabled?). "
             f"Install it with `{plugins.install_command('cpu')}`, or name a backend with "

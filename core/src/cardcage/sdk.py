@@ -31,8 +31,9 @@ Process creation
     :func:`leave`, :func:`fail`, :func:`pickle_job`, :func:`modules_by_value`,
     :func:`init_timeout`, :func:`first_recorded`.
 Checkpoints
-    :func:`save_checkpoint_file` (atomic ``torch.save``), :func:`load_checkpoint_file`
-    (``weights_only=True``, checks the format), for a backend that overrides
+    :func:`save_checkpoint_file` (atomic ``torch.save``; a failed write raises
+    ``cardcage.CheckpointError``), :func:`load_checkpoint_file` (``weights_only=True``, checks
+    the format; a bad file raises ``MisconfigurationError``), for a backend that overrides
     ``Strategy.save_checkpoint``/``load_checkpoint`` with a format of its own.
 Errors
     :class:`MisconfigurationError`, :class:`RankFailedError`.

@@ -24,7 +24,7 @@ from typing import Any
 from cardcage import devices, plugins
 from cardcage.accelerator import Accelerator
 from cardcage.decision import Selection, SelectionContext, TraceEntry
-from cardcage.environments import LocalEnvironment, detect_cluster
+from cardcage.environments import ClusterEnvironment, LocalEnvironment, detect_cluster
 from cardcage.errors import MisconfigurationError
 from cardcage.flags import gpus_override, validate_flags
 from cardcage.rules import (
@@ -34,6 +34,7 @@ from cardcage.rules import (
     resolve_named,
     run_rules,
 )
+from cardcage.variables import check_variables
 
 __all__ = ["Selection", "SelectionContext", "TraceEntry", "select"]
 
@@ -55,6 +56,7 @@ def select(
     """
     environ: Mapping[str, str] = os.environ if env is None else env
     checked = validate_flags(**flags)
+    check_variables(environ)  # every CARDCAGE_* value but CARDCAGE_GPUS (read below)
     registry = plugins.registry(environ)
     warnings: list[str] = []
 
@@ -118,6 +120,8 @@ def select(
         cluster.local_rank(),
         cluster.node_rank(),
     )  # read (and checked) before the rendezvous, whose error would hide a bad rank
+    if outside:
+        _check_ranks(cluster, global_rank, local_rank, node_rank)
     if (
         outside
         and chosen.needs_rendezvous
@@ -157,6 +161,33 @@ def select(
         auto_select_pending=auto_pending,
         environment=cluster,
     )
+
+
+def _check_ranks(
+    cluster: ClusterEnvironment, global_rank: int, local_rank: int, node_rank: int
+) -> None:
+    """The ranks a cluster environment gives, checked against its sizes.
+
+    The built-in environments name the variable that is out of range themselves; this catches
+    what a plugin's environment lets through, naming the variables it reads."""
+    world = cluster.world_size()
+    local_world = cluster.local_world_size()
+    problem = None
+    if not 0 <= global_rank < world:
+        problem = f"global rank {global_rank} for a world size of {world}"
+    elif local_rank < 0 or (local_world is not None and local_rank >= local_world):
+        of = f" of {local_world} process(es) on this node" if local_world is not None else ""
+        problem = f"local rank {local_rank}{of}"
+    elif local_world is not None and not 0 < local_world <= world:
+        problem = f"{local_world} process(es) on this node for a world size of {world}"
+    elif node_rank < 0:
+        problem = f"node rank {node_rank}"
+    if problem is not None:
+        raise MisconfigurationError(
+            f"the {cluster.name!r} cluster environment gives {problem}, which cannot be. Fix "
+            f"the launcher's variables ({', '.join(cluster.variables) or 'see its docs'}) so "
+            "that every rank is in 0..size-1."
+        )
 
 
 def _auto_select(gpus: int, device_count: int) -> tuple[list[int] | None, bool]:

@@ -17,11 +17,29 @@ from cardcage.cluster import (
     ClusterEnvironment,
     env_int,
     env_master_port,
+    rank_in_range,
     require_int,
 )
 from cardcage.signals import REQUEUE_SIGNAL
 
 INTERACTIVE_SLURM_JOB_NAMES = ("bash", "interactive")
+#: What to do about a SLURM rank variable out of range.
+SLURM_FIX = (
+    "SLURM sets these for each task of a job step: start the script with srun inside the "
+    "allocation, and unset any left over from another job or set by hand."
+)
+
+
+def tasks_per_node(value: str) -> list[int] | None:
+    """SLURM's compressed task counts: ``"2(x3),1"`` → ``[2, 2, 2, 1]``; ``None`` when
+    ``value`` is not in that form."""
+    counts: list[int] = []
+    for piece in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", piece)
+        if not match:
+            return None
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts or None
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -101,13 +119,33 @@ class SLURMEnvironment(ClusterEnvironment):
         return require_int(self.env, "SLURM_NTASKS", 1)
 
     def global_rank(self) -> int:
-        return require_int(self.env, "SLURM_PROCID", 0)
+        tasks = self.world_size()
+        procid = require_int(self.env, "SLURM_PROCID", 0)
+        return rank_in_range("SLURM_PROCID", procid, tasks, f"SLURM_NTASKS={tasks}", SLURM_FIX)
 
     def local_rank(self) -> int:
-        return require_int(self.env, "SLURM_LOCALID", 0)
+        localid = require_int(self.env, "SLURM_LOCALID", 0)
+        size, against = self._tasks_here()
+        return rank_in_range("SLURM_LOCALID", localid, size, against, SLURM_FIX)
 
     def node_rank(self) -> int:
-        return require_int(self.env, "SLURM_NODEID", 0)
+        nodeid = require_int(self.env, "SLURM_NODEID", 0)
+        for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+            nodes = env_int(self.env, name)
+            if nodes is not None:
+                return rank_in_range("SLURM_NODEID", nodeid, nodes, f"{name}={nodes}", SLURM_FIX)
+        tasks = self.world_size()  # a node of the step runs at least one task
+        return rank_in_range("SLURM_NODEID", nodeid, tasks, f"SLURM_NTASKS={tasks}", SLURM_FIX)
+
+    def _tasks_here(self) -> tuple[int, str]:
+        """The most tasks a node of this step runs, and the variable that says so: the
+        step's task counts, ``SLURM_NTASKS_PER_NODE``, the job's counts, else ``SLURM_NTASKS``."""
+        for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+            counts = tasks_per_node(self.env.get(name, ""))
+            if counts:
+                return max(counts), f"{name}={self.env[name]}"
+        tasks = self.world_size()
+        return tasks, f"SLURM_NTASKS={tasks}"
 
     def master_address(self) -> str | None:
         if self.env.get("MASTER_ADDR"):

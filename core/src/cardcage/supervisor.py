@@ -6,6 +6,8 @@
 - SIGINT and SIGTERM to the launcher stop all of its children first;
 - children die with their launcher (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the
   launcher leaves nothing behind;
+- a rank that keeps the others waiting is named with its stack, and fails the job after
+  ``CARDCAGE_TIMEOUT`` (:mod:`cardcage.watchdog`, when the launcher started every rank);
 - the watcher costs nothing per training step: no collective, no polling from the loop.
 """
 
@@ -29,11 +31,14 @@ from typing import Any, TypeVar
 from cardcage.errors import RankFailedError
 from cardcage.failures import read_error_file
 from cardcage.rendezvous import INIT_TIMEOUT, arrival_key, init_timeout
+from cardcage.watchdog import Watch
 
 T = TypeVar("T")
 STOP_GRACE_S = 3.0
 #: How often the watcher looks at the children.
 POLL_S = 0.1
+#: How often the watcher reads the ranks' progress counts.
+WATCH_S = 1.0
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -77,6 +82,8 @@ class Supervisor:
     children: list[Child] = field(default_factory=list)
     store: Any = None
     world_size: int = 0
+    #: The ranks' progress counts, when this launcher started every rank of the job.
+    watch: Watch | None = None
     failure: Failure | None = None
     signal_received: int | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -101,6 +108,7 @@ class Supervisor:
     def _watch(self) -> None:
         deadline = time.monotonic() + init_timeout()
         waiting = set(range(self.world_size)) if self.store is not None else set()
+        looked = time.monotonic()
         while not self.stopping.is_set():
             caught = self._wait_signal(POLL_S)
             if caught is not None:
@@ -123,6 +131,13 @@ class Supervisor:
                             f"({INIT_TIMEOUT})",
                         )
                     )
+                    return
+            now = time.monotonic()
+            if self.watch is not None and self.in_fit.is_set() and now - looked >= WATCH_S:
+                looked = now
+                stuck = self.watch.check(now)
+                if stuck is not None:
+                    self._abort(Failure(stuck[0], None, stuck[2], reason=stuck[1]))
                     return
             if (
                 all(child.poll() is not None for child in self.children)
@@ -246,6 +261,8 @@ class Supervisor:
         with self._lock:
             self._interruptible = restore is not None
             self._interrupt_pending = False
+        if self.watch is not None:
+            self.watch.restart()
         self.in_fit.set()
         self.acknowledged.clear()
         if self._thread is None or not self._thread.is_alive():

@@ -1,4 +1,8 @@
-"""``cardcage.Trainer``: validates the flags, selects a backend, and dispatches to it."""
+"""``cardcage.Trainer``: validates the flags, selects a backend, and dispatches to it.
+
+Resuming from a checkpoint (checked in ``fit``; in each training process, which checkpoint,
+its restore, and where the first epoch continues) is in :mod:`cardcage.resuming`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cardcage import agreement, checkpoint, devices, loop, plugins, requeue, restarts
+from cardcage import agreement, checkpoint, devices, loop, plugins, rendezvous, requeue, resuming
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
@@ -54,6 +58,7 @@ class Trainer:
         resume_from_checkpoint: str | os.PathLike[str] | None = None,
         max_restarts: int = 0,
         checkpoint_every_n_steps: int | None = None,
+        terminate_on_nan: bool = False,
         progress_bar: bool | None = None,
         **unknown: Any,
     ):
@@ -80,6 +85,7 @@ class Trainer:
             resume_from_checkpoint=resume_from_checkpoint,
             max_restarts=max_restarts,
             checkpoint_every_n_steps=checkpoint_every_n_steps,
+            terminate_on_nan=terminate_on_nan,
             **unknown,
         )
         self.flags = self.selection.flags
@@ -114,6 +120,8 @@ class Trainer:
         #: Restarts this fit used (max_restarts); what the next attempt resumes from.
         self.restarts = 0
         self.restart_from: str | None = None
+        #: resume_from_checkpoint as fit checked it (and read it), for this process's resume.
+        self._checked: checkpoint.Checked | None = None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -132,6 +140,7 @@ class Trainer:
                     "train_dataloader(). Pass fit(model, train_dataloader=...) or add the method."
                 )
             train_dataloader = model.train_dataloader()  # type: ignore[operator]
+        loop.check_train_dataloader(train_dataloader, self.flags)  # length 0: before any process
         if val_dataloaders is None and callable(getattr(model, "val_dataloader", None)):
             val_dataloaders = model.val_dataloader()  # type: ignore[operator]
         self.model = model
@@ -139,15 +148,22 @@ class Trainer:
         self.val_dataloaders = _loaders(val_dataloaders)
         if self.flags.benchmark:
             torch.backends.cudnn.benchmark = True
+        # before any process, port or CUDA context
+        self._checked = resuming.check(self, self.accelerator, model)
         self._probe_auto_selected_gpus()
         if self.selection.gpu_ids:
             devices.apply_cuda_environment(
                 self.selection.gpu_ids,
                 slurm_managing_tasks=self.selection.cluster == "slurm",
             )
+        # MASTER_ADDR resolves: checked before any process or port exists
+        rendezvous.check_master_address(self.selection, self.accelerator.needs_rendezvous)
         hooks = self._hooks()
-        hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
-        self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
+        try:
+            hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+            self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
+        finally:
+            self._checked = None  # a backend that never resumed here: let go of the file
         return self.results
 
     def _probe_auto_selected_gpus(self) -> None:
@@ -199,11 +215,10 @@ class Trainer:
         self.progress = ProgressBar(
             ProgressBar.wanted(self.progress_bar_flag, self.accelerator.global_rank)
         )
-        path = restarts.resume_path(self, os.environ) or self.flags.resume_from_checkpoint
-        if self._requeue is not None:  # a requeued job resumes from its own checkpoint
-            path = self._requeue.resume_path(path, self.accelerator.global_rank)
-        if path is not None:
-            self._restore(self.accelerator.load_checkpoint(self, path))
+        checked, self._checked = self._checked, None  # what fit read: not read a second time
+        state = resuming.resume(self, self.accelerator, self._requeue, checked)
+        if state is not None:
+            self._resume = state
         if self._requeue is not None:
             self._requeue.start(self)
 
@@ -237,16 +252,7 @@ class Trainer:
         had been drawn) rather than before.
         """
         state, self._resume = self._resume, None
-        if state is None:
-            return 0, None, False
-        skip = int(state["batch_idx"])
-        after_fetch = bool(state.get("rng_after_fetch", False))
-        if (skip or after_fetch) and state.get("epoch_rng") is not None:
-            checkpoint.set_rng_state(state["epoch_rng"])
-            self.epoch_rng = state["epoch_rng"]
-            return skip, state["rng"], after_fetch
-        checkpoint.set_rng_state(state["rng"])
-        return 0, None, False
+        return resuming.position(self, state)
 
     def record_losses(self, losses: list[torch.Tensor]) -> None:
         """Keep an epoch's step losses, given as 1-D chunks (one transfer per epoch)."""
@@ -296,6 +302,9 @@ class Trainer:
         state["_registry"] = None  # pluggy's manager stays behind; attach() reloads it
         state["_requeue"] = None  # threads and a signal handler belong to one process
         state["_handed_back"] = None  # workers train, and so hold their own state
+        # Workers read the checkpoint themselves; this process, which hands them the job,
+        # will not resume from it: let go of what fit read.
+        state["_checked"] = self._checked = None
         state["progress"] = ProgressBar(False)
         state["caller_rng"] = checkpoint.rng_state()  # workers draw as the script would
         selection = self.selection
@@ -343,25 +352,6 @@ class Trainer:
         self._handed_back = state
 
     # -- internals --------------------------------------------------------------------------
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        optimizers = self.optimization.optimizers
-        if len(state["optimizers"]) != len(optimizers):
-            raise MisconfigurationError(
-                f"resume_from_checkpoint={self.flags.resume_from_checkpoint!r} holds "
-                f"{len(state['optimizers'])} optimizer state(s), but configure_optimizers() "
-                f"returned {len(optimizers)}. Resume with the model that wrote it."
-            )
-        self.accelerator.restore_state(self, state)  # on every rank
-        for scheduler, saved in zip(
-            self.optimization.schedulers, state["schedulers"], strict=False
-        ):
-            scheduler.load_state_dict(saved)
-        self.accelerator.precision.load_state_dict(state["scaler"])
-        self.current_epoch = int(state["epoch"])
-        self.global_step = int(state["global_step"])
-        self.batch_idx = int(state["batch_idx"])
-        self._resume = state
 
     def _evaluate(
         self,

@@ -47,6 +47,7 @@ from cardcage.rendezvous import (
     release_store,
 )
 from cardcage.supervisor import Child, Supervisor, set_parent_death_signal
+from cardcage.watchdog import HEARTBEAT, Watch
 
 if TYPE_CHECKING:
     from cardcage.protocol import TrainerProtocol as Trainer
@@ -304,6 +305,8 @@ class SpawnLauncher(WorkerLauncher):
         # them, so that the workers would start one after the other (measured: +1.3 s).
         job = folder / JOB
         job.write_bytes(payload)
+        # Made before the workers start: a worker's loop finds its count there.
+        watch = Watch(folder, world_size) if hosted else None
         children = []
         for local_rank in range(nprocs):
             rank = node_rank * nprocs + local_rank
@@ -320,6 +323,7 @@ class SpawnLauncher(WorkerLauncher):
             }
             if hosted:
                 rank_env[HOSTED_STORE] = "1"
+                rank_env[HEARTBEAT] = str(folder)  # this process watches their progress
             process = context.Process(
                 target=_spawned,
                 args=(rank_env, str(job), str(folder)),
@@ -333,6 +337,7 @@ class SpawnLauncher(WorkerLauncher):
             children,
             store=hosted_store() if hosted else None,
             world_size=world_size if hosted else 0,
+            watch=watch,
         )
 
         def wait() -> None:

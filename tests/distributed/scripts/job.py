@@ -79,6 +79,13 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(temporary, path)
 
 
+def _spin(flag: Path) -> None:
+    """Hang the way a bug does: spin on the CPU forever, holding the GIL."""
+    flag.write_text(str(time.time()))
+    while True:
+        pass
+
+
 class Job(torch.nn.Module):
     """The model: cardcage's contract around a linear layer, with probes and faults."""
 
@@ -89,6 +96,8 @@ class Job(torch.nn.Module):
         self.fail_rank = options.fail_rank
         self.fail_step = options.fail_step
         self.step_sleep = options.step_sleep
+        self.spin_rank = options.spin_rank
+        self.spin_step = options.spin_step
         self.batch_size = options.batch_size
         self.samples = options.samples
         self.shuffle = options.shuffle
@@ -129,6 +138,8 @@ class Job(torch.nn.Module):
             (Path(self.out) / f"pid-rank{rank}").write_text(str(os.getpid()))
         if rank == self.fail_rank and self.steps == self.fail_step:
             raise RuntimeError(f"injected failure at step {self.steps} on rank {rank}")
+        if rank == self.spin_rank and self.steps == self.spin_step:
+            _spin(Path(self.out) / f"spinning-rank{rank}")
         if self.step_sleep:
             time.sleep(self.step_sleep)
         return torch.nn.functional.mse_loss(self(x), y)
@@ -170,6 +181,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-step", type=int, default=-1)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--spin-rank", type=int, default=-1, help="a rank that hangs...")
+    parser.add_argument("--spin-step", type=int, default=-1, help="...spinning at this step")
     parser.add_argument("--marker", default="", help="lets a test find its processes")
     return parser.parse_args(argv)
 
