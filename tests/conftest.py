@@ -1,4 +1,5 @@
-"""Makes tests/plugin_install.py importable as ``plugin_install`` by the test files here.
+"""Makes tests/plugin_install.py and tests/processes.py importable (as ``plugin_install`` and
+``processes``) by the test files here.
 
 pyproject.toml runs pytest with ``--import-mode=importlib``, which leaves tests/ off
 ``sys.path``, so a test module cannot import a helper module next to it on its own. This
@@ -16,10 +17,11 @@ import pytest
 
 HERE = str(Path(__file__).resolve().parent)
 
-pytest.register_assert_rewrite("plugin_install")
-if "plugin_install" not in sys.modules:
-    sys.path.insert(0, HERE)
-    try:
-        importlib.import_module("plugin_install")
-    finally:
-        sys.path.remove(HERE)
+for _helper in ("plugin_install", "processes"):
+    pytest.register_assert_rewrite(_helper)
+    if _helper not in sys.modules:
+        sys.path.insert(0, HERE)
+        try:
+            importlib.import_module(_helper)
+        finally:
+            sys.path.remove(HERE)

@@ -27,7 +27,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from typing import Any
 
 import pytest
 import torch
+from processes import watching_children
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
@@ -115,46 +115,6 @@ def fill(folder: Path) -> None:
         while True:
             stream.write(b"\0" * 4096)
             stream.flush()
-
-
-def children() -> set[int]:
-    """The live processes whose parent is this one (a /proc scan)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path("/proc", entry, "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
-        if fields.get("PPid", "").strip() == str(os.getpid()) and not fields.get(
-            "State", ""
-        ).startswith(("Z", "X")):
-            found.add(int(entry))
-    return found
-
-
-@contextlib.contextmanager
-def watching_children() -> Iterator[set[int]]:
-    """Every child process of this one that appears while the block runs (polled)."""
-    before = children()
-    seen: set[int] = set()
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            seen.update(children() - before)
-            done.wait(0.002)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    try:
-        yield seen
-    finally:
-        done.set()
-        thread.join()
-        seen.update(children() - before)
 
 
 # -- default_root_dir -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from processes import watching_children
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
@@ -260,8 +261,9 @@ def test_an_empty_loader_with_max_steps_is_refused_before_any_process_starts() -
     trainer = cardcage.Trainer(
         distributed_backend="ddp_spawn", num_processes=2, max_steps=5, progress_bar=False
     )
-    with pytest.raises(MisconfigurationError) as error:
+    with watching_children() as started, pytest.raises(MisconfigurationError) as error:
         trainer.fit(Net(), loader(0))
+    assert not started, f"processes started before the error: {started}"
     message = str(error.value)
     assert "train_dataloader has length 0, but max_steps=5 asks for 5 training steps" in message
     assert "Give train_dataloader at least one batch, or leave max_steps=None" in message
