@@ -57,8 +57,9 @@ def test_without_horovod_naming_it_says_how_to_install_it(without_horovod: None)
     with pytest.raises(MisconfigurationError) as error:
         select(env=ALONE, distributed_backend="horovod")
     assert "horovod is not installed" in str(error.value)
-    assert "HOROVOD_WITH_PYTORCH=1" in str(error.value)
-    assert "pip install 'cardcage[horovod]'" in str(error.value)
+    # A command a pip user has: the builder ships inside cardcage-horovod.
+    assert "python -m cardcage_horovod.build --install" in str(error.value)
+    assert "C++17 patch" in str(error.value)
 
 
 def test_without_horovod_horovodrun_processes_are_not_claimed(without_horovod: None) -> None:
