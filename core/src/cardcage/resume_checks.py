@@ -109,8 +109,14 @@ def read(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, A
 
 
 def _stamp_of(name: str, where: str) -> tuple[int, ...]:
+    info = _stat(name, where)
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def _stat(path: str | os.PathLike[str], where: str) -> os.stat_result:
+    """``os.stat(path)``; a missing or unreadable file is a MisconfigurationError."""
     try:
-        return _stamp(name)
+        return os.stat(path)
     except FileNotFoundError:
         raise MisconfigurationError(
             f"{where} does not exist. Give the path of a checkpoint written by "
@@ -215,15 +221,7 @@ def _check_fit(
 
 def _read(path: str | os.PathLike[str], where: str, map_location: Any) -> Any:
     """``torch.load(path, weights_only=True)``, every failure a MisconfigurationError."""
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise MisconfigurationError(
-            f"{where} does not exist. Give the path of a checkpoint written by "
-            "trainer.save_checkpoint, or None to start afresh."
-        ) from None
-    except OSError as error:
-        raise MisconfigurationError(f"{where} cannot be read: {_reason(error)}.") from None
+    size = _stat(path, where).st_size
     if os.path.isdir(path):
         raise MisconfigurationError(_folder_refused(where, None))
     if size == 0:
