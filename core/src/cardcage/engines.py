@@ -198,6 +198,16 @@ class EngineStrategy(Strategy):
             self.sync()
         return super().batch_to_device(batch)
 
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of ``tensor`` now, mid-step. Replica threads take turns at it: each runs
+        a program of its own to compute it, and two threads doing so at once can crash
+        XLA:CPU (a segfault, seen in the kit's job)."""
+        if self.threads <= 1:
+            return tensor.detach().cpu()
+        copies: list[torch.Tensor] = []
+        take_turns(lambda: copies.append(tensor.detach().cpu()), self.threads, init_timeout())
+        return copies[0]
+
     def on_epoch_end(self, trainer: Any) -> None:
         """The step barrier: an epoch cut short by ``max_steps`` leaves its last step pending."""
         self.step_barrier()

@@ -24,15 +24,13 @@ import torch
 from cardcage import restarts, watchdog
 from cardcage.checkpoint import rng_state, set_rng_state
 from cardcage.contract import extract_loss, mean_metrics, metrics_of
-from cardcage.errors import MisconfigurationError, NonFiniteLossError
+from cardcage.errors import MisconfigurationError
+from cardcage.losses import LOSS_CHUNK, Losses, stop_on_nan
 
 if TYPE_CHECKING:
     from cardcage.flags import Flags
     from cardcage.protocol import TrainerProtocol as Trainer
     from cardcage.strategy import Strategy
-
-
-LOSS_CHUNK = 64
 
 
 def batch_size_of(batch: Any) -> int:
@@ -85,53 +83,6 @@ def _empty_hint(loader: Any) -> str:
             f"fewer than batch_size={batch_size}; use drop_last=False or a smaller batch_size."
         )
     return ""
-
-
-def _place(trainer: Trainer, global_step: int, batch_idx: int) -> str:
-    """``global_step=N (epoch E, batch_idx=B)``, and the rank when there are several."""
-    rank = trainer.accelerator
-    on = f" on rank {rank.global_rank}" if rank.world_size > 1 else ""
-    return f"global_step={global_step} (epoch {trainer.current_epoch}, batch_idx={batch_idx}){on}"
-
-
-def _stop_on_nan(trainer: Trainer, loss: torch.Tensor, batch_idx: int) -> None:
-    """``terminate_on_nan=True``: raise when this step's loss is NaN or infinite, before its
-    backward and optimizer step. Reading the verdict is one device sync a step."""
-    if bool(torch.isfinite(loss).all()):
-        return
-    value = float(loss.detach().reshape(-1)[0])
-    place = _place(trainer, trainer.global_step, batch_idx)
-    raise NonFiniteLossError(
-        f"training_step returned a loss of {value} at {place}; terminate_on_nan=True stopped "
-        "training there, before that step's backward and optimizer step (the weights are those "
-        "of the step before). Look for a learning rate too high, a log or division of zero, "
-        "float16 overflow (try precision=32 or 'bf16') or bad values in that batch.",
-        global_step=trainer.global_step,
-        epoch=trainer.current_epoch,
-        batch_idx=batch_idx,
-        value=value,
-    )
-
-
-def _warn_non_finite(
-    trainer: Trainer, chunk: torch.Tensor, last_step: int, last_batch: int
-) -> bool:
-    """Whether ``chunk`` (the losses of consecutive steps, the last of them ``last_step``)
-    holds a NaN or infinite loss; if so, warn naming the first. One device sync a chunk."""
-    finite = torch.isfinite(chunk)
-    if bool(finite.all()):
-        return False
-    index = int((~finite).nonzero()[0, 0])
-    back = chunk.numel() - 1 - index
-    place = _place(trainer, last_step - back, last_batch - back)
-    warnings.warn(
-        f"cardcage: training_step returned a loss of {float(chunk[index])} at {place}. "
-        "Training goes on (terminate_on_nan=False) and this warning is not repeated in this "
-        "fit. Set Trainer(terminate_on_nan=True) to stop at the first NaN or infinite loss.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return True
 
 
 def _no_batch(trainer: Trainer, loader: Any, epoch: int) -> None:
@@ -200,8 +151,12 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
     every = restarts.steps_between_checkpoints(trainer.flags)
     # NaN or infinite losses: terminate_on_nan checks each step (one sync a step); otherwise
     # each chunk of LOSS_CHUNK losses is checked once, until the first warning.
-    stop = functools.partial(_stop_on_nan, trainer) if trainer.flags.terminate_on_nan else None
-    watch_nan = stop is None
+    stop = (
+        functools.partial(stop_on_nan, trainer, accelerator)
+        if trainer.flags.terminate_on_nan
+        else None
+    )
+    tracked = Losses(trainer, watch_nan=stop is None)
     empty_warned = False
 
     epoch = trainer.current_epoch
@@ -212,11 +167,12 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
             trainer.epoch_rng = rng_state()
         model.train()
         bar.start_epoch(epoch, _length(loader))
-        losses: list[torch.Tensor] = []  # stacked into one tensor every LOSS_CHUNK steps
-        pending: list[torch.Tensor] = []
+        pending = tracked.pending
         trainer.in_epoch = True
         batch_idx = -1  # stays -1 when the loader yields nothing
         for batch_idx, batch in enumerate(loader):
+            if tracked.unread:  # the step that closed a chunk has run: read it now
+                tracked.read_chunks()
             if skip:  # resuming inside an epoch: draw the same batches, train on the rest
                 skip -= 1
                 if not skip and resume_rng is not None and not rng_after_fetch:
@@ -257,13 +213,9 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
             beat()
             precision.update()
             pending.append(loss.detach())
-            if len(pending) == LOSS_CHUNK:  # thousands of tiny tensors fragment memory
-                losses.append(torch.stack(pending).reshape(-1))
-                pending.clear()
-                if watch_nan and _warn_non_finite(
-                    trainer, losses[-1], trainer.global_step, batch_idx
-                ):
-                    watch_nan = False
+            if len(pending) == LOSS_CHUNK:
+                tracked.close_chunk(trainer.global_step, batch_idx)
+                pending = tracked.pending
             trainer.global_step += 1
             trainer.batch_idx = batch_idx + 1
             if bar.enabled:
@@ -276,17 +228,12 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
                 trainer.at_stop_step()  # checkpoints and raises Requeued, or returns
         trainer.in_epoch = False
         epoch_done = trainer.global_step < max_steps or trainer.batch_idx == _length(loader)
-        if pending:
-            losses.append(torch.stack(pending).reshape(-1))
-            if watch_nan and _warn_non_finite(
-                trainer, losses[-1], trainer.global_step - 1, trainer.batch_idx - 1
-            ):
-                watch_nan = False
+        tracked.close_chunk(trainer.global_step - 1, trainer.batch_idx - 1)
         if batch_idx < 0 and not empty_warned:
             _no_batch(trainer, loader, epoch)
             empty_warned = True
-        trainer.record_losses(losses)
         accelerator.on_epoch_end(trainer)
+        trainer.record_losses(tracked.epoch())
         if epoch_done:
             trainer.current_epoch, trainer.batch_idx = epoch + 1, 0
             for scheduler in optimization.schedulers:

@@ -1,7 +1,7 @@
 """The progress bar of rank 0: steps, loss and samples per second, through tqdm.
 
-The bar costs one ``tqdm.update`` a step; the loss is read (``.item()``, a device sync on
-GPU) only when tqdm redraws, at most ten times a second.
+The bar costs one ``tqdm.update`` a step; a loss is read (``.item()``, a device sync on
+GPU) only when tqdm redraws, at most ten times a second, and then the previous step's.
 """
 
 from __future__ import annotations
@@ -56,12 +56,15 @@ class ProgressBar:
         if bar is None:
             return
         self._samples += batch_size
-        self._loss = loss  # a reference, no sync; shown when the epoch ends
+        # References, no sync; the last is shown when the epoch ends. A redraw shows the
+        # step before's loss: a lazy engine (XLA) has run that one already, and reading this
+        # step's would run a program outside its step barrier.
+        before, self._loss = self._loss, loss
         # tqdm redraws when update() returns True; read the loss only then.
-        if bar.update(1):
+        if bar.update(1) and before is not None:
             elapsed = time.perf_counter() - self._start
             bar.set_postfix(
-                loss=f"{float(loss.detach()):.4g}",
+                loss=f"{float(before.detach()):.4g}",
                 samples_s=f"{self._samples / max(elapsed, 1e-9):.0f}",
                 refresh=False,
             )

@@ -112,6 +112,15 @@ class Strategy:
         """Step one optimizer (through the grad scaler at precision 16)."""
         self.precision.step(optimizer)
 
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of ``tensor``, for the loop to look at a value in the middle of a step
+        (``terminate_on_nan`` reads each step's loss before its backward).
+
+        Every rank calls it at the same point. The default is ``tensor.detach().cpu()``; an
+        engine whose replicas are threads of one process takes turns at it.
+        """
+        return tensor.detach().cpu()
+
     def on_epoch_start(self, epoch: int, loader: Any) -> None:
         """Called before each training epoch: a distributed sampler reshuffles here."""
         sampler = getattr(loader, "sampler", None)
@@ -120,7 +129,8 @@ class Strategy:
             set_epoch(epoch)
 
     def on_epoch_end(self, trainer: Trainer) -> None:
-        """Called after each training epoch, before validation (GPU backends log memory)."""
+        """Called after each training epoch, before validation (GPU backends log memory).
+        After it, the loop copies the epoch's losses to the CPU: a lazy engine runs them here."""
 
     # -- collectives --------------------------------------------------------------------------
 

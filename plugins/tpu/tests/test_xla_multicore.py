@@ -35,10 +35,8 @@ REPLICAS = 2
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run the jobs once, in a fresh process with two XLA CPU devices."""
-    out = tmp_path_factory.mktemp("xla-jobs")
+def run_jobs(out: Path, *jobs: str) -> None:
+    """Run ``jobs`` in a fresh process with two XLA CPU devices; their results go to ``out``."""
     env = {
         **os.environ,
         "PJRT_DEVICE": "CPU",
@@ -47,10 +45,17 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "CARDCAGE_PLUGINS": "tpu",
     }
     env.pop("PJRT_CPU_ASYNC_CLIENT", None)
-    command = [sys.executable, str(HERE / "xla_jobs.py"), str(out), "multicore", "core2", "core3"]
+    command = [sys.executable, str(HERE / "xla_jobs.py"), str(out), *jobs]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     (out / "output.txt").write_text(result.stdout + result.stderr)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run the jobs once (every core first: ``xmp.spawn`` needs a process new to XLA)."""
+    out = tmp_path_factory.mktemp("xla-jobs")
+    run_jobs(out, "multicore", "core2", "core3")
     return out
 
 
@@ -153,3 +158,15 @@ def test_a_core_beyond_the_devices_fails_naming_them(jobs: Path) -> None:
     error = (jobs / "core3.error").read_text()
     assert "MisconfigurationError" in error
     assert "names core 3 (device xla:2), but this host's XLA runtime has 2 device(s)" in error
+
+
+def test_terminate_on_nan_stops_every_replica_naming_the_step(tmp_path: Path) -> None:
+    """Each step's loss is read mid-step (``EngineStrategy.read``: the replica threads take
+    turns, as two XLA:CPU threads running programs of their own at once can crash it)."""
+    run_jobs(tmp_path, "nan")
+    error = (tmp_path / "nan.error").read_text()
+    assert "NonFiniteLossError" in error, error
+    assert (
+        "training_step returned a loss of nan at global_step=3 (epoch 0, batch_idx=3) on rank 1"
+        in error
+    )

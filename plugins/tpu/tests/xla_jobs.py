@@ -51,6 +51,7 @@ class Net(torch.nn.Module):
         self.probe: str | None = None
         self.job_trainer: Any = None
         self.steps = 0
+        self.nan_at: int | None = None  # the step whose loss turns NaN on rank 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.net(x)
@@ -60,8 +61,11 @@ class Net(torch.nn.Module):
         x, y = batch
         if self.probe is not None:
             self.record(batch_idx)
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        if self.steps == self.nan_at and self.job_trainer.accelerator.global_rank == 1:
+            loss = loss * torch.nan
         self.steps += 1
-        return torch.nn.functional.mse_loss(self(x), y)
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
@@ -104,6 +108,10 @@ def run(out: Path, job: str) -> dict[str, Any]:
         trainer = Trainer(tpu_cores=8, max_epochs=EPOCHS)
         model.probe, model.job_trainer = str(out), trainer
         trainer.fit(model, train, DataLoader(dataset(), batch_size=BATCH))
+    elif job == "nan":  # rank 1's loss is NaN at step 3: fit stops, naming it
+        trainer = Trainer(tpu_cores=8, max_epochs=EPOCHS, terminate_on_nan=True)
+        model.nan_at, model.job_trainer = 3, trainer
+        trainer.fit(model, train)
     elif job in ("core2", "core3"):
         trainer = Trainer(tpu_cores=[int(job[-1])], max_epochs=EPOCHS)
         torch.manual_seed(5)
