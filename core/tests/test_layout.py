@@ -1,4 +1,5 @@
-"""The core's layout: no module over 400 lines, and no import of a backend plugin.
+"""The core's layout: no module over 400 lines, and no import of a backend plugin; and each
+shipped backend's module, the template a stranger copies, at most 300 lines.
 
 The lines limit keeps each module to one job; a module that outgrows it is split (its public
 names re-exported where they were). The plugin check is the one the `no-plugin-imports`
@@ -11,7 +12,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cardcage"
+PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 MAX_LINES = 400
+MAX_PLUGIN_LINES = 300
 
 
 def _core_modules() -> list[Path]:
@@ -38,6 +41,21 @@ def test_no_core_module_is_over_400_lines() -> None:
         f"modules over {MAX_LINES} lines (split them; one job per module): "
         + ", ".join(f"{name} ({lines})" for name, lines in sorted(over.items()))
     )
+
+
+def test_no_backend_module_is_over_300_lines() -> None:
+    """The launch and state machinery lives in the core (the SDK): a backend that needs more
+    than this is repeating it."""
+    modules = sorted(PLUGINS.glob("*/cardcage_*.py")) + sorted(
+        PLUGINS.glob("*/cardcage_*/__init__.py")
+    )
+    assert len(modules) >= 9, modules
+    over = {
+        path.relative_to(PLUGINS).as_posix(): _lines(path)
+        for path in modules
+        if _lines(path) > MAX_PLUGIN_LINES
+    }
+    assert not over, f"backend modules over {MAX_PLUGIN_LINES} lines: {over}"
 
 
 def _imported_top_level_names(path: Path) -> set[str]:

@@ -43,8 +43,7 @@ from cardcage.sdk import (
 log = logging.getLogger("cardcage")
 T = TypeVar("T")
 
-# The builder ships in this distribution (cardcage_horovod/build.py): Horovod 0.28.1 from pip
-# alone does not build against torch 2.
+# The builder ships here (build.py): Horovod 0.28.1 from pip does not build against torch 2.
 INSTALL = (
     "build Horovod for this torch and install it with "
     "`python -m cardcage_horovod.build --install`: Horovod 0.28.1 with the C++17 patch torch 2 "
