@@ -300,19 +300,15 @@ def measure(variant: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]
         )
     wall = time.perf_counter() - start
     output = log.read_text(errors="replace")
+    written = (out / "weights.pt").exists()
     # Plain PyTorch's own exit race (issue 15: gloo's threads at interpreter teardown) can
     # abort a baseline after it wrote its results: count it, keep its figures. Any failure of
     # a framework variant stays an error.
-    aborted = (
-        variant in PLAIN
-        and proc.returncode != 0
-        and "terminate called" in output
-        and (out / "weights.pt").exists()
-    )
-    if (proc.returncode != 0 and not aborted) or not (out / "weights.pt").exists():
+    aborted = written and proc.returncode != 0 and variant in PLAIN and "terminate called" in output
+    if not written or (proc.returncode != 0 and not aborted):
         raise RuntimeError(
             f"{variant} (round {spec['round'] + 1}) failed with exit status "
-            f"{proc.returncode}; the end of its output:\n{log.read_text(errors='replace')[-4000:]}"
+            f"{proc.returncode}; the end of its output:\n{output[-4000:]}"
         )
     steps, cpu = {}, {}
     for rank in range(WORLD):

@@ -203,7 +203,7 @@ class EngineStrategy(Strategy):
         a program of its own to compute it, and two threads doing so at once can crash
         XLA:CPU (a segfault, seen in the kit's job)."""
         if self.threads <= 1:
-            return tensor.detach().cpu()
+            return super().read(tensor)
         copies: list[torch.Tensor] = []
         take_turns(lambda: copies.append(tensor.detach().cpu()), self.threads, init_timeout())
         return copies[0]

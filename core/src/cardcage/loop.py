@@ -167,7 +167,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
             trainer.epoch_rng = rng_state()
         model.train()
         bar.start_epoch(epoch, _length(loader))
-        pending = tracked.pending
+        pending = tracked.pending  # close_chunk empties it in place
         trainer.in_epoch = True
         batch_idx = -1  # stays -1 when the loader yields nothing
         for batch_idx, batch in enumerate(loader):
@@ -215,7 +215,6 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
             pending.append(loss.detach())
             if len(pending) == LOSS_CHUNK:
                 tracked.close_chunk(trainer.global_step, batch_idx)
-                pending = tracked.pending
             trainer.global_step += 1
             trainer.batch_idx = batch_idx + 1
             if bar.enabled:

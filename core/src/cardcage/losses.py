@@ -64,7 +64,7 @@ class Losses:
     def close_chunk(self, last_step: int, last_batch: int) -> None:
         if self.pending:
             self.unread.append((torch.stack(self.pending).reshape(-1), last_step, last_batch))
-            self.pending = []
+            self.pending.clear()  # in place: the loop holds this list
 
     def read_chunks(self) -> None:
         """Copy the chunks the backend has run to the CPU (one transfer each), warning at the
