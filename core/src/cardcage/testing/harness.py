@@ -172,15 +172,24 @@ class Harness:
         folders = sorted(p.name for p in self.tmpdir.glob("cardcage-*"))
         assert not folders, f"temporary folders left behind: {folders}"
 
-    def cleanup(self) -> dict[int, str]:
-        """Kill whatever is still running; return the processes that had to be killed."""
+    def cleanup(self, grace: float = 5.0) -> dict[int, str]:
+        """Kill whatever is still running; return the processes that had to be killed.
+
+        A helper that ends by itself just after its job (multiprocessing's resource tracker
+        exits when it reads its launcher's end of a pipe close) gets ``grace`` seconds: on a
+        loaded machine that takes longer than the scan, and it is not one left behind.
+        """
         for run in self.runs:
             if run.popen.poll() is None:
                 kill_group(run.popen)
         with contextlib.suppress(subprocess.TimeoutExpired):
             for run in self.runs:
                 run.popen.wait(timeout=10)
+        deadline = time.monotonic() + grace
         left = leftover_processes(self.marker)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = leftover_processes(self.marker)
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
