@@ -524,6 +524,24 @@ def test_progress_bar_shows_steps_and_loss(capsys: pytest.CaptureFixture[str]) -
     assert "val_loss=" in final[-1]
 
 
+def test_progress_bar_counts_every_sample_the_short_last_batch_included(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """samples/s reads batch sizes only when the bar redraws and at the epoch's end, yet
+    counts each sample once: 10 samples in batches of 4, 4 and 2 over one second is 10/s."""
+    from cardcage import progress
+
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    bar = progress.ProgressBar(True, file=out)
+    bar.start_epoch(0, 3)
+    for size in (4, 4, 2):
+        bar.step(0.5, [torch.zeros(size, 3), torch.zeros(size)])
+    bar.end_epoch()
+    assert "samples_s=10," in out.getvalue() or "samples_s=10]" in out.getvalue(), out.getvalue()
+
+
 def test_progress_bar_off(capsys: pytest.CaptureFixture[str]) -> None:
     fit(seeded(), loader(), max_epochs=1, progress_bar=False)
     assert capsys.readouterr().err == ""

@@ -33,17 +33,6 @@ if TYPE_CHECKING:
     from cardcage.strategy import Strategy
 
 
-def batch_size_of(batch: Any) -> int:
-    """The number of samples in a batch (length of its first tensor), for samples/s."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return batch_size_of(batch[0])
-    if isinstance(batch, dict) and batch:
-        return batch_size_of(next(iter(batch.values())))
-    return 1
-
-
 def _length(loader: Any) -> int | None:
     try:
         return len(loader)
@@ -156,7 +145,8 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
         if trainer.flags.terminate_on_nan
         else None
     )
-    tracked = Losses(trainer, watch_nan=stop is None)
+    tracked = Losses(trainer, watch_nan=stop is None, device=accelerator.device)
+    keep = tracked.keep
     empty_warned = False
 
     epoch = trainer.current_epoch
@@ -212,13 +202,14 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
                 )
             beat()
             precision.update()
-            pending.append(loss.detach())
+            kept = keep(loss)
+            pending.append(kept)
             if len(pending) == LOSS_CHUNK:
                 tracked.close_chunk(trainer.global_step, batch_idx)
             trainer.global_step += 1
             trainer.batch_idx = batch_idx + 1
             if bar.enabled:
-                bar.step(loss, batch_size_of(batch))
+                bar.step(kept, batch)
             if trainer.global_step >= max_steps:
                 break
             if every and trainer.global_step % every == 0:

@@ -1,7 +1,9 @@
 """The progress bar of rank 0: steps, loss and samples per second, through tqdm.
 
 The bar costs one ``tqdm.update`` a step; a loss is read (``.item()``, a device sync on
-GPU) only when tqdm redraws, at most ten times a second, and then the previous step's.
+GPU) only when tqdm redraws, at most ten times a second, and then the previous step's; so
+is the size of a batch (samples/s counts every batch of an epoch but its last as a whole
+one, which a DataLoader's batches are).
 """
 
 from __future__ import annotations
@@ -13,6 +15,17 @@ from typing import Any
 import torch
 
 
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch (length of its first tensor), for samples/s."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_size_of(next(iter(batch.values())))
+    return 1
+
+
 class ProgressBar:
     """One bar per epoch; does nothing at all when disabled."""
 
@@ -20,9 +33,10 @@ class ProgressBar:
         self.enabled = enabled
         self.file = file
         self._bar: Any = None
-        self._samples = 0
         self._start = 0.0
-        self._loss: torch.Tensor | None = None
+        self._loss: Any = None  # the last step's loss as the loop keeps it (a float on the CPU)
+        self._batch: Any = None  # the last step's batch, for its size
+        self._full = 0  # the size of the epoch's first batch (a whole one)
 
     @staticmethod
     def wanted(flag: bool | None, global_rank: int) -> bool:
@@ -47,27 +61,32 @@ class ProgressBar:
             leave=True,
             mininterval=0.1,
         )
-        self._samples = 0
         self._start = time.perf_counter()
-        self._loss = None
+        self._loss = self._batch = None
+        self._full = 0
 
-    def step(self, loss: torch.Tensor, batch_size: int) -> None:
+    def step(self, loss: Any, batch: Any) -> None:
+        """One step done; ``loss`` is its loss as the loop keeps it (a float, or a detached
+        tensor read only when the bar redraws)."""
         bar = self._bar
         if bar is None:
             return
-        self._samples += batch_size
-        # References, no sync; the last is shown when the epoch ends. A redraw shows the
-        # step before's loss: a lazy engine (XLA) has run that one already, and reading this
-        # step's would run a program outside its step barrier.
-        before, self._loss = self._loss, loss
+        # References, no sync, no size computed: a redraw shows the step before's loss (a
+        # lazy engine (XLA) has run that one already; reading this step's would run a
+        # program outside its step barrier) and counts samples from a batch's size.
+        before, self._loss, self._batch = self._loss, loss, batch
+        if before is None:  # the epoch's first step: a whole batch
+            self._full = batch_size_of(batch)
         # tqdm redraws when update() returns True; read the loss only then.
         if bar.update(1) and before is not None:
-            elapsed = time.perf_counter() - self._start
-            bar.set_postfix(
-                loss=f"{float(before.detach()):.4g}",
-                samples_s=f"{self._samples / max(elapsed, 1e-9):.0f}",
-                refresh=False,
-            )
+            bar.set_postfix(loss=f"{float(before):.4g}", samples_s=self._rate(), refresh=False)
+
+    def _rate(self) -> str:
+        """Samples a second so far: every batch but the last counted as a whole one."""
+        last = batch_size_of(self._batch)
+        steps = self._bar.n
+        samples = (steps - 1) * self._full + last
+        return f"{samples / max(time.perf_counter() - self._start, 1e-9):.0f}"
 
     def end_epoch(self, metrics: dict[str, float] | None = None) -> None:
         if self._bar is None:
@@ -76,12 +95,11 @@ class ProgressBar:
         # validation metrics) in the bar's final line.
         postfix: dict[str, str] = {}
         if self._loss is not None:
-            elapsed = time.perf_counter() - self._start
-            postfix["loss"] = f"{float(self._loss.detach()):.4g}"
-            postfix["samples_s"] = f"{self._samples / max(elapsed, 1e-9):.0f}"
+            postfix["loss"] = f"{float(self._loss):.4g}"
+            postfix["samples_s"] = self._rate()
         postfix.update({k: f"{v:.4g}" for k, v in (metrics or {}).items()})
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
-        self._loss = None
+        self._loss = self._batch = None
         self._bar.close()
         self._bar = None
