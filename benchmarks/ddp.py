@@ -83,7 +83,7 @@ BASELINES = {
     "lightning-ddp_spawn": "mp.spawn",
 }
 TARGETED = ("cardcage-ddp", "cardcage-ddp_spawn")
-PLAIN = ("torchrun", "mp.spawn")
+PLAIN = tuple(dict.fromkeys(BASELINES.values()))  # the plain PyTorch variants
 #: Variables of an enclosing launcher that must not reach the runs.
 LAUNCHER_VARIABLES = (
     "RANK",

@@ -63,9 +63,10 @@ class Losses:
     def __init__(self, trainer: Trainer, watch_nan: bool, device: torch.device) -> None:
         self.trainer = trainer
         self.watch_nan = watch_nan  # until the first warning of this fit
+        self._floats = device.type == "cpu"
         #: What the loop keeps of each step's loss in :attr:`pending`.
         self.keep: Callable[[torch.Tensor], Any] = (
-            torch.Tensor.item if device.type == "cpu" else torch.Tensor.detach
+            torch.Tensor.item if self._floats else torch.Tensor.detach
         )
         self.pending: list[Any] = []  # floats on the CPU, detached tensors elsewhere
         self.unread: list[tuple[torch.Tensor, int, int]] = []  # chunk, its last step and batch
@@ -73,7 +74,7 @@ class Losses:
 
     def close_chunk(self, last_step: int, last_batch: int) -> None:
         if self.pending:
-            if isinstance(self.pending[0], float):
+            if self._floats:
                 chunk = torch.tensor(self.pending, dtype=torch.float64)
             else:
                 chunk = torch.stack(self.pending).reshape(-1)

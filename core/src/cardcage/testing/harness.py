@@ -160,14 +160,7 @@ class Harness:
     def assert_no_leftovers(self, grace: float = 10.0) -> None:
         """Every process this harness started is gone (after ``grace`` seconds at most), and
         the launchers left no temporary folder."""
-        deadline = time.monotonic() + grace
-        left = leftover_processes(self.marker)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = leftover_processes(self.marker)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        left = self._kill_leftovers(grace)
         assert not left, f"processes left behind {grace:.0f}s after the job ended: {left}"
         folders = sorted(p.name for p in self.tmpdir.glob("cardcage-*"))
         assert not folders, f"temporary folders left behind: {folders}"
@@ -185,6 +178,11 @@ class Harness:
         with contextlib.suppress(subprocess.TimeoutExpired):
             for run in self.runs:
                 run.popen.wait(timeout=10)
+        return self._kill_leftovers(grace)
+
+    def _kill_leftovers(self, grace: float) -> dict[int, str]:
+        """Wait up to ``grace`` seconds for this harness's processes to end; SIGKILL and
+        return those still alive then."""
         deadline = time.monotonic() + grace
         left = leftover_processes(self.marker)
         while left and time.monotonic() < deadline:
