@@ -2,8 +2,9 @@
 
 It does what a hand-written loop does (``for batch in loader``: zero the gradients, run the
 step, backward, optimizer step) and nothing per step that a plain loop would not pay for:
-no device sync, no collective, no ``.item()``. The backend supplies device placement, the
-step function, backward and step (through its precision) and the collectives.
+no device sync, no collective (on the CPU each loss is read with ``.item()``, which waits
+for nothing there). The backend supplies device placement, the step function, backward and
+step (through its precision) and the collectives.
 
 Two details keep it bit-equal to a plain loop: each epoch exhausts the loader's iterator
 (stopping after ``len(loader)`` batches would draw a different number of random
