@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+import cardcage
 from cardcage import plugins
 
 
@@ -60,3 +62,17 @@ def inprocess_plugins() -> Iterator[Callable[[object, str], None]]:
         for name in names:
             plugins.unregister(name)
         plugins.clear_cache()
+
+
+@pytest.fixture
+def inprocess_accelerators(
+    inprocess_plugins: Callable[[object, str], None],
+) -> Callable[..., None]:
+    """Register accelerator classes as one in-process plugin: ``add("name", Class, ...)``."""
+
+    def add(name: str, *classes: type) -> None:
+        module = types.ModuleType(f"cardcage_{name}")
+        module.cardcage_accelerators = cardcage.hookimpl(lambda: list(classes))  # type: ignore[attr-defined]
+        inprocess_plugins(module, name)
+
+    return add

@@ -10,7 +10,6 @@ import os
 import pickle
 import threading
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +19,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import cardcage
 from cardcage import select
 from cardcage.sdk import (
     Accelerator,
@@ -305,10 +303,8 @@ class CoresAccelerator(Accelerator):
 
 
 @pytest.fixture
-def cores(inprocess_plugins: Callable[[object, str], None]) -> None:
-    module = types.ModuleType("cardcage_cores")
-    module.cardcage_accelerators = cardcage.hookimpl(lambda: [CoresAccelerator])  # type: ignore[attr-defined]
-    inprocess_plugins(module, "cores")
+def cores(inprocess_accelerators: Callable[..., None]) -> None:
+    inprocess_accelerators("cores", CoresAccelerator)
 
 
 def test_a_tpu_cores_backend_reads_tpu_cores_as_lightning_did(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -75,11 +74,9 @@ def test_the_default_backend_trains_as_a_plain_loop() -> None:
 
 
 def test_a_backend_that_overrides_backward_and_the_step_sees_every_step(
-    inprocess_plugins: Callable[[object, str], None],
+    inprocess_accelerators: Callable[..., None],
 ) -> None:
-    module = types.ModuleType("cardcage_halved")
-    module.cardcage_accelerators = cardcage.hookimpl(lambda: [HalvedSteps])  # type: ignore[attr-defined]
-    inprocess_plugins(module, "halved")
+    inprocess_accelerators("halved", HalvedSteps)
     HalvedSteps.backwards = HalvedSteps.steps = 0
     model = Model()
     trainer = cardcage.Trainer(distributed_backend="halved", max_epochs=1, progress_bar=False)
