@@ -8,6 +8,7 @@ Usage::
     python benchmarks/overhead.py --loader batched   # cheaper batches: overhead shows more
     python benchmarks/overhead.py --profile cardcage --width 32   # where the time goes
     python benchmarks/overhead.py --step-checkpoints 100   # what step checkpoints cost
+    python benchmarks/overhead.py --paired 8 --rounds 6    # the loop's own cost, in one process
 
 What it compares, on the CPU with one thread (``torch.set_num_threads(1)``):
 
@@ -66,6 +67,10 @@ for reference (known to use 17-22 MiB more than plain). The ``result`` column ju
 wall-clock medians, then the CPU-time medians (``wall/CPU``); the RSS delta counts in both.
 A missed target is a finding, not an error: the exit status is non-zero only when a run
 fails. On a loaded machine use more rounds and steps, and read the quartiles.
+
+``--paired PAIRS`` alternates PAIRS epochs of the plain loop and of cardcage in one process
+per round and model, each timed inside the epoch: the loop's own cost a step, with the
+host's drift cancelled (see ``paired_child``); not what a fresh process pays on top.
 
 ``--profile VARIANT`` trains VARIANT and the plain loop in this process under cProfile and
 prints the functions that took the most per step, then every call per step VARIANT makes
@@ -360,6 +365,105 @@ def run_child(spec: dict[str, Any], log_dir: str) -> dict[str, Any]:
     return result
 
 
+def paired_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """``--paired``: in this one process, alternate epochs of the plain loop and of cardcage
+    (a ``fit`` of one epoch, progress bar on), and time each between its batches ``lo`` and
+    ``hi`` (a tenth of an epoch in from either end, so no per-epoch work is in): what the
+    loop itself costs a step, with the host's drift and the process's state the same for
+    both."""
+    import copy
+
+    import torch
+
+    torch.set_num_threads(1)
+    spe = spec["steps_per_epoch"]
+    lo, hi = spe // 10, spe - spe // 10
+    base, loader = build("cardcage", spec["width"], spe, spec["loader"])
+    perf_counter = time.perf_counter
+
+    def timed(model: Any) -> Any:
+        model.window = {}
+        step = model.training_step
+
+        def training_step(batch: Any, batch_idx: int) -> Any:
+            if batch_idx in (lo, hi):
+                model.window[batch_idx] = perf_counter()
+            return step(batch, batch_idx)
+
+        model.training_step = training_step
+        return model
+
+    twin = copy.deepcopy(base)  # before timed(): a copied wrapper would call base's step
+    models = {"plain": timed(base), "cardcage": timed(twin)}
+
+    def epoch(framework: str) -> float:
+        model = models[framework]
+        train(framework, model, loader, spe, spec["gc"])
+        return float((model.window[hi] - model.window[lo]) / (hi - lo))
+
+    for framework in models:  # warm-up: lazy imports, the first bar
+        epoch(framework)
+    rng = random.Random(spec["round"])
+    pairs = []
+    for _ in range(spec["pairs"]):
+        order = list(models)
+        rng.shuffle(order)
+        seconds = {framework: epoch(framework) for framework in order}
+        pairs.append((seconds["plain"], seconds["cardcage"]))
+    return {**spec, "pairs_s": pairs}
+
+
+def paired(rounds: int, pairs: int, spe: int, loader: str, gc_mode: str) -> None:
+    """``--paired``: each round a fresh process per model running :func:`paired_child`."""
+    print(
+        f"overhead --paired: {rounds} rounds x {len(MODELS)} processes, each {pairs} pairs of "
+        f"epochs of {spe} steps (plain, cardcage in a shuffled order), timed from batch "
+        f"{spe // 10} to {spe - spe // 10}",
+        flush=True,
+    )
+    ratios: dict[str, list[float]] = {model: [] for model in MODELS}
+    per_round: dict[str, list[float]] = {model: [] for model in MODELS}
+    steps: dict[str, list[tuple[float, float]]] = {model: [] for model in MODELS}
+    with tempfile.TemporaryDirectory(prefix="cardcage-overhead-") as log_dir:
+        for index in range(rounds):
+            for model in MODELS:
+                spec = {
+                    "framework": "paired",
+                    "model": model,
+                    "width": MODELS[model],
+                    "steps_per_epoch": spe,
+                    "pairs": pairs,
+                    "loader": loader,
+                    "gc": gc_mode,
+                    "round": index,
+                }
+                result = run_child(spec, log_dir)
+                these = [c / p for p, c in result["pairs_s"]]
+                ratios[model] += these
+                per_round[model].append(statistics.median(these))
+                steps[model] += result["pairs_s"]
+            print(f"  round {index + 1}/{rounds} done", flush=True)
+    print(
+        f"\n{'model':<13}{'plain us':>9}{'cardcage us':>12}  {'ratio [q1-q3] of pairs':<24}"
+        f"{'rounds min-max':<15}target"
+    )
+    for model in MODELS:
+        q1, q2, q3 = _quartiles(ratios[model])
+        plain_us = statistics.median(p for p, _ in steps[model]) * 1e6
+        cardcage_us = statistics.median(c for _, c in steps[model]) * 1e6
+        print(
+            f"{model + f' (w={MODELS[model]})':<13}{plain_us:>9.1f}{cardcage_us:>12.1f}  "
+            f"{f'{q2:.3f} [{q1:.3f}-{q3:.3f}]':<24}"
+            f"{f'{min(per_round[model]):.3f}-{max(per_round[model]):.3f}':<15}"
+            f"<={TIME_TARGETS[model]:.2f}x"
+        )
+    print(
+        "\nThe loop's own cost a step, in a process that imported cardcage for both: not what "
+        "a fresh process pays beyond plain (imports, setup, per-epoch work): the default mode "
+        "measures that."
+    )
+
+
 # -- statistics and the table ------------------------------------------------------------------
 
 
@@ -608,6 +712,14 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: profile VARIANT and the plain loop in this process, and list the "
         "calls per step VARIANT makes beyond plain",
     )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        metavar="PAIRS",
+        help="instead: per round and model, one process alternating PAIRS epochs of the plain "
+        "loop and of cardcage, timed inside each epoch (the loop's own cost a step, with the "
+        "host's drift cancelled)",
+    )
     parser.add_argument("--width", type=int, default=32, help="hidden width for --profile")
     parser.add_argument("--top", type=int, default=30, help="functions --profile lists")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -615,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.child:
-        result = child(json.loads(args.child))
+        spec = json.loads(args.child)
+        result = paired_child(spec) if spec["framework"] == "paired" else child(spec)
         with open(args.child_out, "w") as f:
             json.dump(result, f)
         return 0
@@ -628,6 +741,9 @@ def main(argv: list[str] | None = None) -> int:
     steps_per_epoch = steps // epochs
     steps = steps_per_epoch * epochs  # whole epochs: the steady window is whole epochs
 
+    if args.paired:
+        paired(rounds, args.paired, steps_per_epoch, args.loader, args.gc)
+        return 0
     if args.profile:
         profile(args.profile, args.width, steps, steps_per_epoch, args.loader, args.top)
         return 0
