@@ -368,10 +368,9 @@ def run_child(spec: dict[str, Any], log_dir: str) -> dict[str, Any]:
 def paired_child(spec: dict[str, Any]) -> dict[str, Any]:
     """``--paired``: in this one process, alternate epochs of the plain loop and of cardcage
     (a ``fit`` of one epoch, progress bar on), on two copies of the model that they swap
-    every pair, and time each between its batches ``lo`` and
-    ``hi`` (a tenth of an epoch in from either end, so no per-epoch work is in): what the
-    loop itself costs a step, with the host's drift and the process's state the same for
-    both."""
+    every pair, and time each between its batches ``lo`` and ``hi`` (a tenth of an epoch in
+    from either end, so no per-epoch work is in): what the loop itself costs a step, with
+    the host's drift and the process's state the same for both."""
     import copy
 
     import torch
@@ -427,7 +426,7 @@ def paired(rounds: int, pairs: int, spe: int, loader: str, gc_mode: str) -> None
     )
     ratios: dict[str, list[float]] = {model: [] for model in MODELS}
     per_round: dict[str, list[float]] = {model: [] for model in MODELS}
-    steps: dict[str, list[tuple[float, float]]] = {model: [] for model in MODELS}
+    seconds: dict[str, list[tuple[float, float]]] = {model: [] for model in MODELS}
     with tempfile.TemporaryDirectory(prefix="cardcage-overhead-") as log_dir:
         for index in range(rounds):
             for model in MODELS:
@@ -445,7 +444,7 @@ def paired(rounds: int, pairs: int, spe: int, loader: str, gc_mode: str) -> None
                 these = [c / p for p, c in result["pairs_s"]]
                 ratios[model] += these
                 per_round[model].append(statistics.median(these))
-                steps[model] += result["pairs_s"]
+                seconds[model] += result["pairs_s"]
             print(f"  round {index + 1}/{rounds} done", flush=True)
     print(
         f"\n{'model':<13}{'plain us':>9}{'cardcage us':>12}  {'ratio [q1-q3] of pairs':<24}"
@@ -453,8 +452,8 @@ def paired(rounds: int, pairs: int, spe: int, loader: str, gc_mode: str) -> None
     )
     for model in MODELS:
         q1, q2, q3 = _quartiles(ratios[model])
-        plain_us = statistics.median(p for p, _ in steps[model]) * 1e6
-        cardcage_us = statistics.median(c for _, c in steps[model]) * 1e6
+        plain_us = statistics.median(p for p, _ in seconds[model]) * 1e6
+        cardcage_us = statistics.median(c for _, c in seconds[model]) * 1e6
         print(
             f"{model + f' (w={MODELS[model]})':<13}{plain_us:>9.1f}{cardcage_us:>12.1f}  "
             f"{f'{q2:.3f} [{q1:.3f}-{q3:.3f}]':<24}"
