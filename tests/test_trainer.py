@@ -542,6 +542,37 @@ def test_progress_bar_counts_every_sample_the_short_last_batch_included(
     assert "samples_s=10," in out.getvalue() or "samples_s=10]" in out.getvalue(), out.getvalue()
 
 
+def test_progress_bar_is_called_only_when_tqdm_would_look_at_its_clock(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between redraws tqdm skips ``miniters`` updates; the loop skips the calls too, yet the
+    bar counts every step, and a fit starts no thread of tqdm's (its monitor)."""
+    import threading
+
+    from cardcage import progress
+
+    calls: list[int] = []
+    step = progress.ProgressBar.step
+
+    def counted(self: progress.ProgressBar, loss: Any, batch: Any, steps: int = 1) -> int:
+        calls.append(steps)
+        return step(self, loss, batch, steps)
+
+    monkeypatch.setattr(progress.ProgressBar, "step", counted)
+    before = set(threading.enumerate())
+    steps = 3000
+    data = DataLoader(TensorDataset(torch.randn(steps, 4), torch.zeros(steps, 1)), batch_size=1)
+    torch.manual_seed(0)
+    fit(MLP(), data, max_epochs=1, progress_bar=True)
+    err = capsys.readouterr().err
+    assert f"{steps}/{steps}" in err, err
+    assert sum(calls) == steps
+    assert len(calls) < steps / 2, f"{len(calls)} calls for {steps} steps"
+    assert not [
+        t for t in set(threading.enumerate()) - before if "monitor" in type(t).__name__.lower()
+    ]
+
+
 def test_progress_bar_off(capsys: pytest.CaptureFixture[str]) -> None:
     fit(seeded(), loader(), max_epochs=1, progress_bar=False)
     assert capsys.readouterr().err == ""

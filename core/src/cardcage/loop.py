@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -27,11 +28,12 @@ from cardcage.checkpoint import rng_state, set_rng_state
 from cardcage.contract import extract_loss, mean_metrics, metrics_of
 from cardcage.errors import MisconfigurationError
 from cardcage.losses import LOSS_CHUNK, Losses, stop_on_nan
+from cardcage.precision import Precision
+from cardcage.strategy import Strategy
 
 if TYPE_CHECKING:
     from cardcage.flags import Flags
     from cardcage.protocol import TrainerProtocol as Trainer
-    from cardcage.strategy import Strategy
 
 
 def _length(loader: Any) -> int | None:
@@ -111,15 +113,39 @@ def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
     """Train ``trainer.model`` until ``max_epochs`` or ``max_steps``."""
     heart = watchdog.attach()
     try:
-        _train(trainer, accelerator, heart.beat if heart is not None else _still)
+        _train(trainer, accelerator, heart.beat if heart is not None else None)
     finally:
         if heart is not None:
             heart.close()
 
 
-def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) -> None:
-    """:func:`fit_loop`'s work; ``beat`` counts progress for the stuck-rank watcher (three
-    beats a step: before the step, after it returned, after the optimizer step)."""
+def _step_calls(
+    accelerator: Strategy,
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[torch.optim.Optimizer], Any], bool]:
+    """The backward and optimizer step the loop calls, and whether it calls the precision's
+    ``update``. Where neither the backend nor its precision changes them (no grad scaler,
+    no override), ``loss.backward()`` and ``optimizer.step()`` themselves: five Python
+    calls a step fewer, the plain loop's own."""
+    precision = accelerator.precision
+    kind, own = type(accelerator), type(precision)
+    plain = precision.scaler is None and all(
+        getattr(own, name) is getattr(Precision, name) for name in ("backward", "step", "update")
+    )
+    backward: Callable[[torch.Tensor], Any] = accelerator.backward
+    if plain and kind.backward is Strategy.backward:
+        backward = operator.methodcaller("backward")
+    optimizer_step: Callable[[torch.optim.Optimizer], Any] = accelerator.optimizer_step
+    if plain and kind.optimizer_step is Strategy.optimizer_step:
+        optimizer_step = operator.methodcaller("step")
+    return backward, optimizer_step, not plain
+
+
+def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | None) -> None:
+    """:func:`fit_loop`'s work; ``beat``, when a watcher is attached, counts progress for the
+    stuck-rank watcher (three beats a step: before the step, after it returned, after the
+    optimizer step)."""
+    watched = beat is not None
+    beat = beat or _still
     model = trainer.model
     optimization = trainer.optimization
     optimizers = optimization.optimizers
@@ -129,7 +155,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
     step = accelerator.step_function(model, "training_step")
     to_device = accelerator.batch_to_device if accelerator.moves_batches else None
     autocast = precision.autocast
-    backward, optimizer_step = accelerator.backward, accelerator.optimizer_step
+    backward, optimizer_step, updates = _step_calls(accelerator)
     bar = trainer.progress
     max_steps = trainer.flags.max_steps or math.inf
     max_epochs = trainer.flags.max_epochs or (math.inf if trainer.flags.max_steps else 1)
@@ -157,7 +183,8 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
         if not skip:
             trainer.epoch_rng = rng_state()
         model.train()
-        bar.start_epoch(epoch, _length(loader))
+        # the bar is called every ``bar_due`` steps (progress.py): an integer test a step
+        bar_due, unshown = bar.start_epoch(epoch, _length(loader)), 0
         pending = tracked.pending  # close_chunk empties it in place
         trainer.in_epoch = True
         batch_idx = -1  # stays -1 when the loader yields nothing
@@ -175,7 +202,8 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
                 resume_rng = None
             if to_device is not None:
                 batch = to_device(batch)
-            beat()
+            if watched:
+                beat()
             if single:
                 for optimizer in optimizers:
                     optimizer.zero_grad()
@@ -184,7 +212,8 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
                 else:
                     with autocast():
                         output = step(batch, batch_idx)
-                beat()
+                if watched:
+                    beat()
                 if isinstance(output, torch.Tensor) and output.numel() == 1:
                     loss = output
                 else:  # a dict, or a loss of several values (an error)
@@ -201,16 +230,19 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
                 loss = _per_optimizer_step(
                     step, batch, batch_idx, optimizers, accelerator, after_backward, beat, stop
                 )
-            beat()
-            precision.update()
+            if watched:
+                beat()
+            if updates:
+                precision.update()
             kept = keep(loss)
             pending.append(kept)
             if len(pending) == LOSS_CHUNK:
                 tracked.close_chunk(trainer.global_step, batch_idx)
             trainer.global_step += 1
             trainer.batch_idx = batch_idx + 1
-            if bar.enabled:
-                bar.step(kept, batch)
+            unshown += 1
+            if unshown >= bar_due:
+                bar_due, unshown = bar.step(kept, batch, unshown), 0
             if trainer.global_step >= max_steps:
                 break
             if every and trainer.global_step % every == 0:
@@ -218,6 +250,8 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None]) ->
             if trainer.global_step == trainer.stop_at_step:  # a requeue signal (requeue.py)
                 trainer.at_stop_step()  # checkpoints and raises Requeued, or returns
         trainer.in_epoch = False
+        if unshown:  # the steps since the bar's last call
+            bar.step(kept, batch, unshown)
         epoch_done = trainer.global_step < max_steps or trainer.batch_idx == _length(loader)
         tracked.close_chunk(trainer.global_step - 1, trainer.batch_idx - 1)
         if batch_idx < 0 and not empty_warned:
