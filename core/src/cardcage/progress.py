@@ -11,6 +11,7 @@ its last as a whole one, which a DataLoader's batches are).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -34,9 +35,7 @@ def batch_size_of(batch: Any) -> int:
     return 1
 
 
-_BAR: Any = None
-
-
+@functools.cache
 def _bar_class() -> Any:
     """tqdm's class (``tqdm.auto``: a notebook widget in Jupyter), without its monitor.
 
@@ -45,12 +44,9 @@ def _bar_class() -> Any:
     the thread would have nothing to do, and a fresh process that started it trained the
     tiny benchmark model about 2% slower. The subclass leaves the user's own bars as they are.
     """
-    global _BAR
-    if _BAR is None:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        _BAR = type("CardcageBar", (tqdm,), {"monitor_interval": 0})
-    return _BAR
+    return type("CardcageBar", (tqdm,), {"monitor_interval": 0})
 
 
 class ProgressBar:
