@@ -16,6 +16,15 @@ a time. Expect about 2 minutes a process (valgrind runs Python 50x slower).
     python benchmarks/instructions.py                  # tiny and mlp, plain and cardcage
     python benchmarks/instructions.py --lightning      # Lightning beside them
     python benchmarks/instructions.py --json out.json
+    python benchmarks/instructions.py --ddp            # ddp.py's two-process step instead
+
+``--ddp`` counts the step of ``ddp.py`` (its MLP, gloo, two ranks) the same way: the plain
+DDP loop and cardcage's ``ddp`` backend, each rank a process under callgrind, started as
+torchrun starts them (rank variables and ``TORCHELASTIC_RUN_ID``, the store on rank 0), so
+that the two variants differ only in the loop. Rank 0, rank 1 and both together are
+reported; a rank's count also holds what it spent waiting for the other (a spinning lock,
+a retried poll), which moves with who arrives first, so the sum is the figure to read.
+Expect about 20 minutes with the default 50 and 150 steps.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ HERE = Path(__file__).resolve().parent
 MODELS = {"tiny": 32, "mlp": 256}
 TARGETS = {"tiny": 1.05, "mlp": 1.02}
 COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+VALGRIND = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+DDP_TARGET = 1.03
 
 
 def child(framework: str, width: int, steps: int, epoch: int) -> None:
@@ -56,13 +67,118 @@ def child(framework: str, width: int, steps: int, epoch: int) -> None:
     assert done == steps, (done, steps)
 
 
+def ddp_child(framework: str, steps: int, epoch: int, out: str) -> None:
+    """One rank of ``ddp.py``'s job, ``steps`` steps in epochs of ``epoch`` (under callgrind)."""
+    sys.path.insert(0, str(HERE))
+    import ddp
+    import torch
+
+    torch.set_num_threads(1)
+    spec = {"epochs": steps // epoch, "steps_per_epoch": epoch, "width": 256, "out": out}
+    if framework == "plain":
+        ddp.plain_worker(int(os.environ["RANK"]), spec)
+        return
+    import cardcage
+
+    model = ddp.Model(spec)
+    trainer = cardcage.Trainer(
+        distributed_backend="ddp",
+        num_processes=ddp.WORLD,
+        max_epochs=spec["epochs"],
+        progress_bar=False,
+    )
+    trainer.fit(model)
+    assert trainer.global_step == steps, (trainer.global_step, steps)
+
+
+def count_ddp(args: list[str], logs: list[Path]) -> list[int]:
+    """Instructions of each rank of ``python instructions.py --ddp-child ARGS``."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    processes = []
+    for rank, log in enumerate(logs):
+        env = {
+            **os.environ,
+            "PYTHONHASHSEED": "0",
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": str(len(logs)),
+            "LOCAL_WORLD_SIZE": str(len(logs)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": "instructions",
+        }
+        command = [*VALGRIND, sys.executable, str(Path(__file__).resolve()), "--ddp-child", *args]
+        with log.open("w") as out:
+            processes.append(
+                subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            )
+    counts = []
+    for process, log in zip(processes, logs, strict=True):
+        code = process.wait(timeout=3600)
+        text = log.read_text(errors="replace")
+        found = COLLECTED.findall(text)
+        if code != 0 or not found:
+            for other in processes:
+                other.kill()
+            raise RuntimeError(f"{' '.join(args)} failed (exit {code}):\n{text[-2000:]}")
+        counts.append(int(found[-1]))
+    return counts
+
+
+def main_ddp(short: int, long: int, epoch: int, json_path: str | None) -> int:
+    """``--ddp``: the two-process step of ddp.py, plain against cardcage, rank by rank."""
+    frameworks = ["plain", "cardcage"]
+    print(
+        f"instructions --ddp: 2 ranks under callgrind per run, one run at a time; steps "
+        f"{short} and {long}, epochs of {epoch}",
+        flush=True,
+    )
+    counts: dict[tuple[str, int], list[int]] = {}
+    with tempfile.TemporaryDirectory(prefix="cardcage-instructions-") as tmp:
+        for framework in frameworks:
+            for steps in (short, long):
+                out = Path(tmp) / f"{framework}-{steps}"
+                out.mkdir()
+                logs = [out / f"rank{rank}.log" for rank in range(2)]
+                child_args = [framework, str(steps), str(epoch), str(out)]
+                counts[(framework, steps)] = count_ddp(child_args, logs)
+                print(f"  {framework}/{steps} steps: {counts[(framework, steps)]}", flush=True)
+    per_step = {
+        framework: [
+            (counts[(framework, long)][rank] - counts[(framework, short)][rank]) / (long - short)
+            for rank in range(2)
+        ]
+        for framework in frameworks
+    }
+    rows = []
+    print(f"\n{'ranks':<8} {'plain/step':>14} {'cardcage/step':>14} {'ratio':>7}")
+    for label, ranks in (("rank 0", [0]), ("rank 1", [1]), ("both", [0, 1])):
+        plain = sum(per_step["plain"][r] for r in ranks)
+        ours = sum(per_step["cardcage"][r] for r in ranks)
+        rows.append({"ranks": label, "plain": plain, "cardcage": ours, "ratio": ours / plain})
+        print(f"{label:<8} {plain:>14,.0f} {ours:>14,.0f} {ours / plain:>7.3f}")
+    print(f"target for the step (ddp.py): {DDP_TARGET} (judged on both ranks together)")
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps(
+                {"counts": {f"{f}/{s}": c for (f, s), c in counts.items()}, "rows": rows},
+                indent=1,
+            )
+        )
+    return 0
+
+
 def count(args: list[str], log: Path) -> int:
     """Instructions executed by ``python instructions.py --child ARGS`` under callgrind."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     command = [
-        "valgrind",
-        "--tool=callgrind",
-        "--callgrind-out-file=/dev/null",
+        *VALGRIND,
         sys.executable,
         str(Path(__file__).resolve()),
         "--child",
@@ -81,22 +197,32 @@ def count(args: list[str], log: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--short", type=int, default=100, help="steps of the short run")
-    parser.add_argument("--long", type=int, default=300, help="steps of the long run")
+    parser.add_argument("--short", type=int, help="steps of the short run (100; --ddp: 50)")
+    parser.add_argument("--long", type=int, help="steps of the long run (300; --ddp: 150)")
     parser.add_argument("--epoch", type=int, default=50, help="steps per epoch")
     parser.add_argument("--lightning", action="store_true", help="count Lightning too")
     parser.add_argument("--json", metavar="PATH", help="also write the counts")
+    parser.add_argument("--ddp", action="store_true", help="count ddp.py's two-process step")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--ddp-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         framework, width, steps, epoch = args.child
         child(framework, int(width), int(steps), int(epoch))
         return 0
+    if args.ddp_child:
+        framework, steps, epoch, out = args.ddp_child
+        ddp_child(framework, int(steps), int(epoch), out)
+        return 0
+    args.short = args.short or (50 if args.ddp else 100)
+    args.long = args.long or (150 if args.ddp else 300)
     if shutil.which("valgrind") is None:
         print("instructions: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 1
     if args.long <= args.short or args.short % args.epoch or args.long % args.epoch:
         parser.error("--short and --long must be whole epochs, and --long more than --short")
+    if args.ddp:
+        return main_ddp(args.short, args.long, args.epoch, args.json)
 
     frameworks = ["plain", "cardcage"] + (["lightning"] if args.lightning else [])
     jobs = [
