@@ -93,11 +93,10 @@ def ddp_child(framework: str, steps: int, epoch: int, out: str) -> None:
 
 def count_ddp(args: list[str], logs: list[Path]) -> list[int]:
     """Instructions of each rank of ``python instructions.py --ddp-child ARGS``."""
-    import socket
+    sys.path.insert(0, str(HERE))
+    from ddp import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     processes = []
     for rank, log in enumerate(logs):
         env = {
