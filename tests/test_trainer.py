@@ -573,6 +573,41 @@ def test_progress_bar_is_called_only_when_tqdm_would_look_at_its_clock(
     ]
 
 
+def test_progress_bar_keeps_its_pace_from_one_epoch_to_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each epoch has a new tqdm bar, which starts not knowing how many steps pass between
+    redraws and so looks at its clock every step until it first redraws (a third of the
+    benchmark MLP's 500-step epoch). The next epoch's bar starts at the pace the last one
+    learned: the loop calls it about once per redraw from its first step on."""
+    import tqdm.std
+
+    from cardcage import progress
+
+    now = [0.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: now[0])  # 1 ms a step, 100 per redraw
+    bar = progress.ProgressBar(True, file=io.StringIO())
+    batch = [torch.zeros(2, 3)]
+
+    def epoch(index: int, steps: int = 1000) -> int:
+        """The loop's countdown (loop.py) over one epoch; the calls it makes."""
+        calls, unshown = 0, 0
+        due = bar.start_epoch(index, steps)
+        for _ in range(steps):
+            now[0] += 0.001
+            unshown += 1
+            if unshown >= due:
+                due, unshown, calls = bar.step(0.5, batch, unshown), 0, calls + 1
+        if unshown:
+            bar.step(0.5, batch, unshown)
+        bar.end_epoch()
+        return calls
+
+    first, second, third = epoch(0), epoch(1), epoch(2)
+    assert first >= 100, first  # a call a step until the first redraw, 0.1 s in
+    assert second <= 30 and third <= 30, (second, third)  # about one per redraw (0.1 s)
+
+
 def test_progress_bar_off(capsys: pytest.CaptureFixture[str]) -> None:
     fit(seeded(), loader(), max_epochs=1, progress_bar=False)
     assert capsys.readouterr().err == ""
