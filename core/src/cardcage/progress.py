@@ -87,8 +87,7 @@ class ProgressBar:
             leave=True,
             mininterval=0.1,
         )
-        if self._miniters:  # still dynamic: tqdm goes on adjusting it at each redraw
-            self._bar.miniters = self._miniters
+        self._bar.miniters = self._miniters  # still dynamic: tqdm adjusts it at each redraw
         self._start = time.perf_counter()
         self._loss = self._batch = None
         self._full = 0
@@ -135,7 +134,6 @@ class ProgressBar:
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
         self._loss = self._batch = None
-        if self._bar.dynamic_miniters:
-            self._miniters = self._bar.miniters
+        self._miniters = self._bar.miniters
         self._bar.close()
         self._bar = None
