@@ -9,6 +9,8 @@ Usage::
     python benchmarks/overhead.py --profile cardcage --width 32   # where the time goes
     python benchmarks/overhead.py --step-checkpoints 100   # what step checkpoints cost
     python benchmarks/overhead.py --paired 8 --rounds 6    # the loop's own cost, in one process
+    python benchmarks/overhead.py --control --json a.json  # with an A/A control (plain twice)
+    python benchmarks/overhead.py --pool a.json b.json     # the rounds of several runs together
 
 What it compares, on the CPU with one thread (``torch.set_num_threads(1)``):
 
@@ -18,6 +20,9 @@ What it compares, on the CPU with one thread (``torch.set_num_threads(1)``):
 * ``cardcage-ckpt-N`` (with ``--step-checkpoints N``): the same with
   ``checkpoint_every_n_steps=N``, a step checkpoint written every N steps (what
   ``max_restarts`` turns on, every 100 steps by default);
+* ``plain.again`` (with ``--control``): the plain loop a second time in every round, judged
+  like cardcage against the first: an A/A control whose ratio would be 1.000 on a quiet
+  machine, so its distance from 1 is the noise floor of the run's ratios;
 * ``lightning``: ``pytorch_lightning.Trainer`` (or ``lightning.pytorch``'s) with
   ``logger=False, enable_checkpointing=False, enable_model_summary=False``, its progress bar
   on, ``accelerator="cpu", devices=1``; only when one of the two is importable (the ``bench``
@@ -67,6 +72,11 @@ for reference (known to use 17-22 MiB more than plain). The ``result`` column ju
 wall-clock medians, then the CPU-time medians (``wall/CPU``); the RSS delta counts in both.
 A missed target is a finding, not an error: the exit status is non-zero only when a run
 fails. On a loaded machine use more rounds and steps, and read the quartiles.
+
+Two fresh processes of the same code differ by up to 3% a step here (where each lands in
+memory), so a 15-round median of the mlp's ratio moves by about +-0.8%, close to the 2% the
+target allows. ``--pool`` judges the rounds of several ``--json`` runs together: the median
+of every per-round ratio, with a 95% bootstrap interval.
 
 ``--paired PAIRS`` alternates PAIRS epochs of the plain loop and of cardcage in one process
 per round and model, each timed inside the epoch: the loop's own cost a step, with the
@@ -237,7 +247,7 @@ def train(
     put the module in training mode, loop.
     """
     perf_counter, process_time = time.perf_counter, time.process_time
-    if framework == "plain":
+    if framework.startswith("plain"):  # plain, or plain.again (--control)
         settle(gc_mode)
         with Collections() as collections:
             start, cpu = perf_counter(), process_time()
@@ -513,6 +523,7 @@ def summarise(results: list[dict[str, Any]], frameworks: list[str]) -> list[dict
             row["gc_ms"] = statistics.median(1000 * runs[i]["gc_s"] for i in rounds)
             row["target"], row["verdict"] = {
                 "plain": ("baseline", None),
+                "plain.again": ("A/A control", None),
                 "lightning": ("reference", None),
             }.get(framework, (f"<={TIME_TARGETS[model]:.2f}x, <=+{RSS_TARGET_MIB:.0f} MiB", None))
             if framework.startswith("cardcage-ckpt"):
@@ -671,6 +682,39 @@ def profile(framework: str, width: int, steps: int, spe: int, loader: str, top: 
 # -- main --------------------------------------------------------------------------------------
 
 
+def bootstrap(ratios: list[float], draws: int = 4000) -> tuple[float, float]:
+    """A 95% interval for the median of ``ratios`` (percentile bootstrap, fixed seed)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def pool(paths: list[str]) -> None:
+    """``--pool``: the per-round ratios to plain of several ``--json`` runs, together."""
+    ratios: dict[tuple[str, str, str], list[float]] = {}
+    for path in paths:
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+        plain = {(r["model"], r["round"]): r for r in runs if r["framework"] == "plain"}
+        for run in runs:
+            base = plain.get((run["model"], run["round"]))
+            if run["framework"] == "plain" or base is None:
+                continue
+            for key in TIMINGS:
+                if run[key] is not None and base[key]:
+                    ratios.setdefault((run["model"], run["framework"], key), []).append(
+                        run[key] / base[key]
+                    )
+    print(f"{len(paths)} runs pooled: medians of per-round ratios to plain [95% bootstrap]")
+    for (model, framework, key), values in ratios.items():
+        low, high = bootstrap(values)
+        target = f"target {TIME_TARGETS[model]:.2f}" if framework == "cardcage" else ""
+        print(
+            f"  {model:<5} {framework:<12} {key:<18} {len(values):>4} rounds  "
+            f"{statistics.median(values):.3f} [{low:.3f}-{high:.3f}]  {target}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="cardcage's per-step overhead and peak RSS against a plain PyTorch loop "
@@ -709,6 +753,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="PATH", help="also write every run and the summary")
     parser.add_argument(
+        "--control", action="store_true", help="add plain.again: the plain loop twice a round"
+    )
+    parser.add_argument(
+        "--pool", nargs="+", metavar="JSON", help="instead: pool the rounds of these --json files"
+    )
+    parser.add_argument(
         "--profile",
         metavar="VARIANT",
         choices=["cardcage", "lightning"],
@@ -735,6 +785,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.child_out, "w") as f:
             json.dump(result, f)
         return 0
+    if args.pool:
+        pool(args.pool)
+        return 0
 
     rounds = args.rounds or (3 if args.quick else 9)
     steps = args.steps or (600 if args.quick else 2000)
@@ -752,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     frameworks = ["plain", "cardcage"]
+    if args.control:
+        frameworks.append("plain.again")
     if args.step_checkpoints:
         frameworks.append(f"cardcage-ckpt-{args.step_checkpoints}")
     lightning = None if args.no_lightning else lightning_available()
@@ -818,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = ["same weights as plain" if row["same_weights"] else "WEIGHTS DIFFER from plain"]
         if not row["steps_ok"]:
             notes.append("DID NOT RUN the asked number of steps")
-        if not row["log_bytes"]:
+        if not row["log_bytes"] and row["framework"] != "plain.again":
             notes.append("its progress bar wrote nothing")
         print(
             f"  {row['framework']}/{row['model']}: {', '.join(notes)}; bar output "
