@@ -454,15 +454,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def bootstrap(ratios: list[float], draws: int = 4000) -> tuple[float, float]:
-    """A 95% interval for the median of ``ratios`` (percentile bootstrap, fixed seed)."""
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
-
-
 def pooled(runs: list[dict[str, Any]]) -> str:
     """``--pool``: every round of several runs' ``--json`` files, per variant and baseline."""
+    from overhead import bootstrap  # this folder's; imported here, not in every rank
+
     ratios: dict[tuple[str, str], dict[str, list[float]]] = {}
     for run in runs:
         for row in run["rows"]:
