@@ -478,6 +478,130 @@ def test_automatic_resume_from_default_root_dir_still_works(
         assert resumed == [4, 5], flags  # from last.ckpt's step 4, not other.ckpt's step 2
 
 
+# -- optimizer states ---------------------------------------------------------------------------
+
+
+class Tuned(Net):
+    """Net whose configure_optimizers returns SGD with momentum, or Adam, and, with
+    ``groups=2``, the two layers as two parameter groups."""
+
+    def __init__(self, optimizer: str = "sgd", groups: int = 1):
+        super().__init__()
+        self.optimizer, self.groups = optimizer, groups
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params: Any = self.parameters()
+        if self.groups == 2:
+            params = [{"params": self.net[0].parameters()}, {"params": self.net[2].parameters()}]
+        if self.optimizer == "adam":
+            return torch.optim.Adam(params, lr=0.01)
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def without_types(path: Path) -> None:
+    """``path`` as a checkpoint that did not record its optimizers' classes."""
+    state = checkpoint.load(path)
+    del state["optimizer_types"]
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["class recorded", "class inferred"])
+@pytest.mark.parametrize(
+    ("saved", "resumed", "says"),
+    [
+        ("sgd", "adam", "it holds a state of SGD, not of Adam"),
+        ("adam", "sgd", "it holds a state of Adam, not of SGD"),
+    ],
+)
+def test_an_optimizer_state_of_another_optimizer_is_refused_before_any_process(
+    tmp_path: Path, saved: str, resumed: str, says: str, recorded: bool
+) -> None:
+    """An SGD state resumed into Adam (and Adam's into SGD) is refused in the calling
+    process, naming the flag, the optimizer and what differs, before ddp_spawn starts a
+    worker; torch itself would fail later, in a worker, with a bare KeyError."""
+    path = tmp_path / "c.ckpt"
+    trained(path, Tuned(saved), max_steps=2)
+    if not recorded:
+        without_types(path)
+        adam_keys = "'amsgrad', 'betas'"
+        says = f"lack Adam's {adam_keys}" if resumed == "adam" else "which SGD has not"
+    trainer = cardcage.Trainer(
+        distributed_backend="ddp_spawn",
+        num_processes=2,
+        progress_bar=False,
+        resume_from_checkpoint=path,
+    )
+    kind = "Adam" if resumed == "adam" else "SGD"
+    with watching_children() as started:
+        begin = time.monotonic()
+        with pytest.raises(cardcage.MisconfigurationError) as raised:
+            trainer.fit(Tuned(resumed), loader())
+        elapsed = time.monotonic() - begin
+    message = str(raised.value)
+    assert f"resume_from_checkpoint={str(path)!r} does not fit optimizer 0 ({kind})" in message
+    assert says in message, message
+    assert "Resume with the configure_optimizers() that wrote it" in message
+    assert started == set() and elapsed < FAST_S
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "says"),
+    [
+        ({"groups": 2}, {}, "it holds 2 parameter group(s), SGD has 1"),
+        ({}, {"groups": 2}, "it holds 1 parameter group(s), SGD has 2"),
+    ],
+)
+def test_optimizer_states_of_other_parameter_groups_are_refused(
+    tmp_path: Path, saved: dict[str, Any], resumed: dict[str, Any], says: str
+) -> None:
+    path = tmp_path / "c.ckpt"
+    trained(path, Tuned(**saved), max_steps=2)
+    trainer = cardcage.Trainer(progress_bar=False, resume_from_checkpoint=path)
+    with pytest.raises(cardcage.MisconfigurationError) as raised:
+        trainer.fit(Tuned(**resumed), loader())
+    assert "does not fit optimizer 0 (SGD)" in str(raised.value)
+    assert says in str(raised.value)
+    assert trainer.global_step == 0
+
+
+def test_an_optimizer_state_of_another_size_or_count_is_refused(tmp_path: Path) -> None:
+    """Parameter groups of other sizes, and another number of optimizers, are named too."""
+    path = tmp_path / "c.ckpt"
+    trained(path, Tuned(groups=2), max_steps=2)
+    state = checkpoint.load(path)
+    groups = state["optimizers"][0]["param_groups"]
+    groups[0]["params"], groups[1]["params"] = groups[0]["params"][:1], groups[1]["params"] + [3]
+    torch.save(state, path)
+    with pytest.raises(cardcage.MisconfigurationError, match="group 0 holds 1 parameter"):
+        cardcage.Trainer(resume_from_checkpoint=path).fit(Tuned(groups=2), loader())
+    torch.save({**state, "optimizers": state["optimizers"] * 2}, path)
+    with pytest.raises(cardcage.MisconfigurationError, match=r"holds 2 optimizer state\(s\)"):
+        cardcage.Trainer(resume_from_checkpoint=path).fit(Tuned(groups=2), loader())
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["class recorded", "class inferred"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_matching_optimizer_state_still_resumes(
+    tmp_path: Path, optimizer: str, recorded: bool
+) -> None:
+    """The control: the same optimizer resumes and continues where the checkpoint left off,
+    as one run without a stop would."""
+    path = tmp_path / "c.ckpt"
+    torch.manual_seed(0)
+    trained(path, Tuned(optimizer), max_steps=3)
+    if not recorded:
+        without_types(path)
+    resumed = Tuned(optimizer)
+    cardcage.Trainer(progress_bar=False, max_steps=6, resume_from_checkpoint=path).fit(
+        resumed, loader()
+    )
+    torch.manual_seed(0)
+    whole = Tuned(optimizer)
+    cardcage.Trainer(progress_bar=False, max_steps=6).fit(whole, loader())
+    for key, value in whole.state_dict().items():
+        assert torch.allclose(resumed.state_dict()[key], value, atol=1e-6), key
+
+
 # -- ddp and ddp_spawn: no process starts --------------------------------------------------------
 
 

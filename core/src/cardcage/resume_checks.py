@@ -2,11 +2,12 @@
 
 :func:`check_resume` opens the checkpoint once, in the process that called ``fit``, before
 any process starts, and checks that it is a cardcage checkpoint whose model state fits the
-model (a backend's folder format too). :func:`read` is how :func:`cardcage.checkpoint.load`
-reads a file. Every failure (missing, empty, truncated, not a torch file, refused by
-``weights_only``, not a cardcage checkpoint, not the model's) raises
-:class:`~cardcage.errors.MisconfigurationError` saying which. :mod:`cardcage.checkpoint`,
-which writes checkpoints, re-exports the names used outside.
+model (a backend's folder format too) and whose optimizer states fit the model's optimizers
+(what ``configure_optimizers()`` returns there, on a throw-away basis). :func:`read` is how
+:func:`cardcage.checkpoint.load` reads a file. Every failure (missing, empty, truncated, not
+a torch file, refused by ``weights_only``, not a cardcage checkpoint, not the model's, not
+its optimizers') raises :class:`~cardcage.errors.MisconfigurationError` saying which.
+:mod:`cardcage.checkpoint`, which writes checkpoints, re-exports the names used outside.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import errno
 import os
 import pickle
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,9 @@ FORMAT = "cardcage-checkpoint/1"
 FLAG = "resume_from_checkpoint"
 #: What :func:`cardcage.resuming.restore` and the loop read from a checkpoint besides the model.
 LOOP_KEYS = ("optimizers", "schedulers", "scaler", "epoch", "global_step", "batch_idx", "rng")
+#: The class name of each optimizer whose state ``"optimizers"`` holds (``trainer.loop_state()``
+#: writes it); a checkpoint without it is judged by its parameter groups' keys.
+OPTIMIZER_TYPES = "optimizer_types"
 #: A checkpoint that is a folder (a backend's sharded format, e.g. fsdp's): the file beside
 #: the shards that holds everything but the model (``trainer.loop_state()`` and optimizer
 #: settings), and the index that torch.distributed.checkpoint writes.
@@ -62,12 +67,19 @@ def _stamp(path: str | os.PathLike[str]) -> tuple[int, ...]:
 
 
 def check_resume(
-    path: str | os.PathLike[str], model: torch.nn.Module, *, reads_folders: bool, backend: str
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    *,
+    reads_folders: bool,
+    backend: str,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None,
 ) -> Checked:
     """Open ``resume_from_checkpoint`` once, in the process that called ``fit``, before any
     process starts: it exists, is a cardcage checkpoint, loads with ``weights_only=True``,
-    and its model state fits ``model`` (keys and shapes). Raise
-    :class:`~cardcage.errors.MisconfigurationError` saying what is wrong otherwise.
+    its model state fits ``model`` (keys and shapes), and its optimizer states fit
+    ``optimizers`` (what ``model.configure_optimizers()`` returns; see
+    :func:`check_optimizers`). Raise :class:`~cardcage.errors.MisconfigurationError` saying
+    what is wrong otherwise.
 
     A folder is a backend's own format: accepted when the backend reads folders
     (``reads_folders``: it has its own ``load_checkpoint``); its ``loop.pt`` is checked, and
@@ -76,7 +88,8 @@ def check_resume(
     name = os.fspath(path)
     where = f"{FLAG}={name!r}"
     if os.path.isdir(name):
-        return Checked(name, _stamp(name), _check_folder(Path(name), model, reads_folders, backend))
+        folder = _check_folder(Path(name), model, reads_folders, backend, optimizers)
+        return Checked(name, _stamp(name), folder)
     stamp = _stamp_of(name, where)
     payload = _read(name, where, "cpu")
     _check_format(payload, where)
@@ -95,6 +108,8 @@ def check_resume(
         )
     shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
     _check_fit(shapes, model, where)
+    if optimizers is not None:
+        check_optimizers(payload["optimizers"], payload.get(OPTIMIZER_TYPES), optimizers, where)
     return Checked(name, stamp, payload)
 
 
@@ -127,7 +142,11 @@ def _stat(path: str | os.PathLike[str], where: str) -> os.stat_result:
 
 
 def _check_folder(
-    folder: Path, model: torch.nn.Module, reads_folders: bool, backend: str
+    folder: Path,
+    model: torch.nn.Module,
+    reads_folders: bool,
+    backend: str,
+    optimizers: Sequence[torch.optim.Optimizer] | None,
 ) -> dict[str, Any] | None:
     where = f"{FLAG}={os.fspath(folder)!r}"
     if not reads_folders:
@@ -162,6 +181,9 @@ def _check_folder(
         )
     if sharded:
         _check_fit(_dcp_model_shapes(folder, where), model, where)
+    if optimizers is not None and "optimizers" in loop:
+        # A sharded folder keeps the states of stepped optimizers in its shards (None here).
+        check_optimizers(loop["optimizers"], loop.get(OPTIMIZER_TYPES), optimizers, where)
     return None
 
 
@@ -216,6 +238,111 @@ def _check_fit(
     raise MisconfigurationError(
         f"{where} does not fit the model ({type(model).__name__}): {'; '.join(problems)}. "
         "Resume with the model that wrote it (same class and sizes), or None to start afresh."
+    )
+
+
+def check_optimizers(
+    saved: Any,
+    types: Any,
+    optimizers: Sequence[torch.optim.Optimizer],
+    where: str,
+) -> None:
+    """A checkpoint's optimizer states (``saved``, a list of ``optimizer.state_dict()``; an
+    entry may be ``None`` where a sharded folder keeps it in its shards) against the
+    ``optimizers`` that ``configure_optimizers()`` returns: their count, each one's type
+    (``types``, the class names the checkpoint recorded; without them, its parameter groups'
+    keys), parameter groups (count, sizes) and which parameters its state is for.
+
+    Every one of these fails only later, in a training process, as a bare ``KeyError`` or
+    ``ValueError`` from torch (an SGD state resumed into Adam: ``KeyError: 'betas'``).
+    """
+    fix = (
+        "Resume with the configure_optimizers() that wrote it (the same optimizers, in the "
+        "same order, over the same parameters), or None to start afresh."
+    )
+    if not isinstance(saved, (list, tuple)):
+        raise MisconfigurationError(
+            f"{where} is not a cardcage checkpoint: its 'optimizers' is a "
+            f"{type(saved).__name__}, not a list of optimizer states. Give a file written by "
+            "trainer.save_checkpoint."
+        )
+    if len(saved) != len(optimizers):
+        names = ", ".join(type(o).__name__ for o in optimizers)
+        raise MisconfigurationError(
+            f"{where} holds {len(saved)} optimizer state(s), but configure_optimizers() "
+            f"returns {len(optimizers)} ({names}). {fix}"
+        )
+    recorded = list(types) if isinstance(types, (list, tuple)) else []
+    for index, (optimizer, state) in enumerate(zip(optimizers, saved, strict=True)):
+        kind = type(optimizer).__name__
+        recorded_kind = recorded[index] if index < len(recorded) else None
+        problem = _optimizer_problem(optimizer, state, recorded_kind)
+        if problem:
+            raise MisconfigurationError(
+                f"{where} does not fit optimizer {index} ({kind}) of configure_optimizers(): "
+                f"{problem}. {fix}"
+            )
+
+
+def _optimizer_problem(optimizer: torch.optim.Optimizer, state: Any, recorded: Any) -> str | None:
+    """What differs between ``optimizer`` and its ``state`` in a checkpoint, or ``None``."""
+    kind = type(optimizer).__name__
+    if isinstance(recorded, str) and recorded != kind:
+        return f"it holds a state of {recorded}, not of {kind}"
+    if state is None:  # kept in a sharded folder's shards: the backend reads it
+        return None
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
+        return "its state is not an optimizer.state_dict() (no list of 'param_groups')"
+    if not isinstance(recorded, str):
+        differs = _other_optimizer(optimizer, groups)
+        if differs:
+            return differs
+    live = optimizer.param_groups
+    if len(groups) != len(live):
+        return f"it holds {len(groups)} parameter group(s), {kind} has {len(live)}"
+    sizes = [len(g.get("params", ())) for g in groups]
+    wanted = [len(g["params"]) for g in live]
+    if sizes != wanted:
+        shown = [
+            f"group {i} holds {there} parameter(s) there, {here} here"
+            for i, (there, here) in enumerate(zip(sizes, wanted, strict=True))
+            if there != here
+        ]
+        return f"its parameter groups differ in size: {_listed(shown)}"
+    held = {p for g in groups for p in g.get("params", ())}
+    per_parameter = state.get("state", {})
+    strays = (
+        [key for key in per_parameter if key not in held] if isinstance(per_parameter, dict) else []
+    )
+    if strays:
+        return (
+            f"its state is for parameters {_listed([repr(k) for k in strays])}, which none of "
+            "its parameter groups holds"
+        )
+    return None
+
+
+def _other_optimizer(
+    optimizer: torch.optim.Optimizer, groups: Sequence[dict[str, Any]]
+) -> str | None:
+    """For a checkpoint that did not record its optimizers' classes: whether its parameter
+    groups are another optimizer's. They are when they lack settings of ``optimizer``'s and
+    hold settings it has not: one of the two alone is a torch version adding or dropping a
+    setting (torch fills in a missing one when it loads a state)."""
+    kind = type(optimizer).__name__
+    if not groups:
+        return None
+    theirs = set(groups[0]) - {"params"}
+    ours = set(optimizer.defaults)
+    known = ours.union(*(set(g) for g in optimizer.param_groups))  # a scheduler's "initial_lr"...
+    lacks = sorted(ours - theirs)
+    extra = sorted(theirs - known)
+    if not (lacks and extra):
+        return None
+    return (
+        f"it holds the state of another optimizer: its parameter groups hold "
+        f"{_names(extra)}, which {kind} has not, and lack {kind}'s {_names(lacks)}"
     )
 
 

@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from cardcage import checkpoint, restarts
+from cardcage.contract import configure_optimizers
 from cardcage.errors import MisconfigurationError
 from cardcage.strategy import Strategy
 
@@ -34,8 +35,15 @@ def check(
         return None
     method = strategy.load_checkpoint
     reads_folders = getattr(method, "__func__", None) is not Strategy.load_checkpoint
+    # Throw-away optimizers over the model's parameters, to check the saved states against
+    # (no step is taken: the model is not touched); each training process makes its own.
+    optimizers = configure_optimizers(model).optimizers
     return checkpoint.check_resume(
-        path, model, reads_folders=reads_folders, backend=trainer.selection.accelerator
+        path,
+        model,
+        reads_folders=reads_folders,
+        backend=trainer.selection.accelerator,
+        optimizers=optimizers,
     )
 
 

@@ -19,6 +19,7 @@ from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
 from cardcage.errors import MisconfigurationError
 from cardcage.progress import ProgressBar
+from cardcage.resume_checks import OPTIMIZER_TYPES
 from cardcage.selection import Selection, probe_pending_gpus, select
 from cardcage.strategy import Strategy
 
@@ -285,6 +286,8 @@ class Trainer:
         return {
             "format": checkpoint.FORMAT,
             "cardcage_version": __version__,
+            # what the resume check compares configure_optimizers() with, in the caller
+            OPTIMIZER_TYPES: [type(o).__name__ for o in self.optimization.optimizers],
             "schedulers": [s.state_dict() for s in self.optimization.schedulers],
             "scaler": self.accelerator.precision.state_dict(),
             "epoch": self.current_epoch,
