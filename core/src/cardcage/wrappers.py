@@ -34,12 +34,54 @@ class StepRunner(torch.nn.Module):
             return step(batch, batch_idx, *args, **kwargs)
 
 
-def reduce_replica_outputs(output: Any) -> Any:
-    """Average what DataParallel replicas returned (gathered along dimension 0)."""
+def replica_shares(batch: Any, replicas: int) -> list[int] | None:
+    """How many samples of ``batch`` each DataParallel replica gets: DataParallel scatters
+    every tensor in chunks along dimension 0 as ``tensor.chunk(replicas)`` cuts it (the
+    first tensor found decides), so a batch of 3 on 2 GPUs is 2 + 1 and one of 5 on 4 is
+    2 + 2 + 1 (three replicas run). ``None``: no tensor to split."""
+    first = _first_tensor(batch)
+    if first is None or first.dim() == 0 or replicas < 1:
+        return None
+    size = first.size(0)
+    chunk = -(-size // replicas)  # ceil, as torch.chunk
+    return [min(chunk, size - start) for start in range(0, size, chunk)] if size else None
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(items, (list, tuple)) or isinstance(batch, dict):
+        for item in items:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def reduce_replica_outputs(output: Any, shares: list[int] | None = None) -> Any:
+    """Reduce what DataParallel replicas returned (gathered along dimension 0) to what one
+    replica over the whole batch would have returned.
+
+    A scalar per replica (a loss, a logged value: gathered into one value per replica) is
+    the mean over the replicas weighted by ``shares``, each replica's number of samples
+    (:func:`replica_shares`): a batch that splits unevenly (3 on 2 GPUs: 2 + 1) then gives
+    the full batch's mean loss, as the plain loop computes it. Without ``shares``, or when
+    the replicas got equal shares, it is the plain mean. Other tensors (gathered
+    per-sample values) are averaged over all their elements.
+    """
     if isinstance(output, torch.Tensor):
-        return output.float().mean() if output.dim() else output
+        if not output.dim():
+            return output
+        uneven = shares is not None and len(set(shares)) > 1 and output.shape == (len(shares),)
+        if uneven:
+            assert shares is not None
+            total = sum(shares)
+            values = output.float()
+            return sum(values[i] * (share / total) for i, share in enumerate(shares))
+        return output.float().mean()
     if isinstance(output, dict):
-        return {k: reduce_replica_outputs(v) for k, v in output.items()}
+        return {k: reduce_replica_outputs(v, shares) for k, v in output.items()}
     return output
 
 
@@ -49,15 +91,17 @@ def data_parallel_step(
     """A step function running ``name`` in DataParallel replicas, reduced like Lightning 1.0.
 
     A model's ``<name>_end(outputs)`` (e.g. ``training_step_end``) receives the gathered
-    outputs; without one every gathered tensor is averaged over the replicas.
+    outputs; without one every gathered tensor is reduced by
+    :func:`reduce_replica_outputs`, each replica weighted by its share of the batch.
     """
     reduce_end = getattr(model, f"{name}_end", None)
+    replicas = len(getattr(parallel, "device_ids", None) or ()) or 1
 
     def step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         output = parallel(name, batch, batch_idx, *args, **kwargs)
         if callable(reduce_end):
             return reduce_end(output)
-        return reduce_replica_outputs(output)
+        return reduce_replica_outputs(output, replica_shares(batch, replicas))
 
     return step
 
