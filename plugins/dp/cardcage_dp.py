@@ -3,7 +3,8 @@
 Each step's batch is split across the GPUs; every replica runs the model's step function and
 the outputs are gathered on the root GPU. As in Lightning 1.0, a model may reduce them
 itself with ``training_step_end(outputs)`` (``validation_step_end``, ``test_step_end``);
-otherwise every gathered tensor is averaged over the replicas.
+otherwise each replica's loss and logged scalars count by its share of the batch (a batch of
+3 on 2 GPUs splits 2 + 1), so a step equals the plain loop's on the whole batch.
 
 16-bit precision works: autocast is entered inside each replica (autocast state is
 thread-local and DataParallel runs replicas in threads), and one GradScaler scales the
