@@ -10,11 +10,15 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from cardcage import Accelerator, Availability, cli, plugins
 
 pytestmark = pytest.mark.slow
 
@@ -210,3 +214,115 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr
+
+
+# -- a plugin whose availability check takes long -----------------------------------------------
+
+SLEEPY_MODULE = """
+import time
+
+import cardcage
+
+
+class Sleepy(cardcage.Accelerator):
+    name = "sleepy"
+    rules = ()
+
+    @classmethod
+    def availability(cls, ctx):
+        time.sleep(float(ctx.env["SLEEPY_SECONDS"]))
+        return cardcage.Availability(True, "woke up")
+
+
+@cardcage.hookimpl
+def cardcage_accelerators():
+    return [Sleepy]
+"""
+
+
+def installed_sleepy(site: Path) -> Path:
+    """A plugin distribution installed into ``site`` as ``pip install --target`` lays it out
+    (the module and its dist-info with the entry point), for ``PYTHONPATH``."""
+    site.mkdir()
+    (site / "cardcage_sleepy.py").write_text(SLEEPY_MODULE)
+    info = site / "cardcage_sleepy-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cardcage-sleepy\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[cardcage]\nsleepy = cardcage_sleepy\n")
+    return site
+
+
+def test_a_slow_availability_check_is_named_while_it_runs_and_timed(tmp_path: Path) -> None:
+    """``cardcage plugins`` with an installed plugin whose check takes longer than
+    SLOW_CHECK_S: stderr names the check while it still runs (the command is not silent),
+    and the listing shows how long it took."""
+    site = installed_sleepy(tmp_path / "site")
+    seconds = plugins.SLOW_CHECK_S + 1.5
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(STEERING_PREFIXES) and k not in STEERING_NAMES
+    }
+    env = {**clean, "PYTHONPATH": str(site), "SLEEPY_SECONDS": str(seconds)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cardcage", "plugins"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    try:
+        first = process.stderr.readline()
+        still_running = process.poll() is None
+        stdout, rest = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        process.wait()
+    assert first.startswith(
+        "cardcage: waiting for the availability check of backend 'sleepy' "
+        "(plugin module cardcage_sleepy) (5 s so far)"
+    ), first + rest
+    assert still_running  # named while it ran, not afterwards
+    assert "the availability check of backend 'sleepy' (plugin module cardcage_sleepy) " in rest
+    assert "returned after 6." in rest, rest
+    (line,) = [ln for ln in stdout.splitlines() if ln.strip().startswith("sleepy ")]
+    assert "[cardcage-sleepy 0.1.0]  available: woke up  (availability check: 6." in line, line
+    assert process.returncode == 0
+
+
+def test_every_check_is_timed_and_a_quick_one_is_not_named(
+    inprocess_accelerators: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """In process: a check is named again every SLOW_CHECK_S seconds while it runs; a quick
+    check prints nothing; ``--json`` has every backend's check time."""
+
+    class Slow(Accelerator):
+        name = "slow"
+        rules = ()
+
+        @classmethod
+        def availability(cls, ctx: Any) -> Availability:
+            time.sleep(0.75)
+            return Availability(False, "not today")
+
+    class Quick(Accelerator):
+        name = "quick"
+        rules = ()
+
+        @classmethod
+        def availability(cls, ctx: Any) -> Availability:
+            return Availability(True, "at once")
+
+    inprocess_accelerators("slow", Slow, Quick)
+    monkeypatch.setattr(plugins, "SLOW_CHECK_S", 0.2)
+    assert cli.main(["plugins", "--json"]) == 0
+    captured = capsys.readouterr()
+    rows = {row["name"]: row for row in json.loads(captured.out)["backends"]}
+    assert rows["slow"]["check_seconds"] >= 0.75
+    assert rows["quick"]["check_seconds"] < 0.2
+    waiting = [ln for ln in captured.err.splitlines() if "waiting for" in ln and "'slow'" in ln]
+    assert len(waiting) >= 3, captured.err
+    assert "backend 'quick'" not in captured.err

@@ -20,6 +20,8 @@ from cardcage.errors import MisconfigurationError, PluginError
 from cardcage.plugins import PluginRecord, Registry
 
 EXIT_USAGE = 2
+#: ``cardcage plugins`` shows how long a backend's availability check took from this long on.
+SHOWN_CHECK_S = 1.0
 
 
 def collect(builtin: Iterable[Command], registry: Registry) -> Commands:
@@ -93,7 +95,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for row in rows:
         aliases = f" (aliases: {', '.join(row['aliases'])})" if row["aliases"] else ""
         dist = f"{row['distribution']} {row['version']}" if row["distribution"] else row["plugin"]
-        print(f"  {row['name']}{aliases}  [{dist}]  {row['status']}")
+        took = row["check_seconds"]
+        slow = f"  (availability check: {took:.1f} s)" if took >= SHOWN_CHECK_S else ""
+        print(f"  {row['name']}{aliases}  [{dist}]  {row['status']}{slow}")
     extensions = [r for r in records if r["status"] == "loaded" and not r["accelerators"]]
     if extensions:
         print("other plugins (no backend):")

@@ -16,6 +16,8 @@ backend loaded, a shipped backend not loaded, install hints) is in
 :mod:`cardcage.plugin_settings`, whose public names are re-exported here.
 
 Nothing here imports a backend's engine (horovod, torch_xla); only the plugin modules.
+A plugin's check that takes long (a backend's ``availability``) is named on stderr while it
+runs (:func:`named_while_slow`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.metadata as metadata
+import sys
+import threading
+import time
 import traceback
 import types
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TextIO
 
 import pluggy
 
@@ -50,6 +55,9 @@ from cardcage.variables import (
 )
 
 GROUP = "cardcage"
+#: A plugin's check still running after this many seconds is named on stderr, and again
+#: every as many seconds until it returns.
+SLOW_CHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -297,6 +305,54 @@ class PluginManager:
         registry.accelerators[entry.cls.name.lower()] = entry
         for alias in entry.cls.aliases:
             registry.aliases[alias.lower()] = entry.cls.name.lower()
+
+
+@dataclass
+class Timed:
+    """What :func:`named_while_slow` measured: the seconds the block took (once it left)."""
+
+    seconds: float = 0.0
+    named: bool = False  # whether it ran long enough to be named on stderr
+
+
+@contextlib.contextmanager
+def named_while_slow(
+    what: str, after: float | None = None, stream: TextIO | None = None
+) -> Iterator[Timed]:
+    """Time the block; while it runs longer than ``after`` seconds (:data:`SLOW_CHECK_S`),
+    name ``what`` on ``stream`` (stderr) every ``after`` seconds, and say when it returns.
+
+    For a plugin's code that cardcage waits for (a backend's ``availability``, which may
+    probe a device or a network): a check that hangs is named while it hangs, instead of
+    the command being silent. A thread waits beside the block; the block itself runs as
+    before, in this thread.
+    """
+    every = SLOW_CHECK_S if after is None else after
+    timed = Timed()
+    done = threading.Event()
+    begin = time.monotonic()
+
+    def say(line: str) -> None:
+        out = sys.stderr if stream is None else stream
+        with contextlib.suppress(OSError, ValueError):  # a closed stream: stay quiet
+            out.write(f"cardcage: {line}\n")
+            out.flush()
+
+    def watch() -> None:
+        while not done.wait(every):
+            timed.named = True
+            say(f"waiting for {what} ({time.monotonic() - begin:.0f} s so far)")
+
+    watcher = threading.Thread(target=watch, name="cardcage-slow-check", daemon=True)
+    watcher.start()
+    try:
+        yield timed
+    finally:
+        done.set()
+        watcher.join()
+        timed.seconds = time.monotonic() - begin
+        if timed.named:
+            say(f"{what} returned after {timed.seconds:.1f} s")
 
 
 @contextlib.contextmanager

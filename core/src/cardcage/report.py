@@ -6,6 +6,7 @@ import importlib.metadata as metadata
 import importlib.util
 import platform
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
@@ -42,7 +43,9 @@ def backend_rows(env: Mapping[str, str]) -> tuple[list[dict[str, Any]], list[dic
     rows = []
     for name in sorted(registry.accelerators):
         reg = registry.accelerators[name]
+        begin = time.monotonic()
         availability = check_availability(reg.cls, ctx)
+        seconds = time.monotonic() - begin
         rows.append(
             {
                 "name": name,
@@ -54,6 +57,7 @@ def backend_rows(env: Mapping[str, str]) -> tuple[list[dict[str, Any]], list[dic
                 "reason": availability.reason,
                 "hint": availability.hint,
                 "status": availability.describe(),
+                "check_seconds": round(seconds, 3),  # how long its availability check took
                 "rules": [{"order": r.order, "name": r.name, "why": r.why} for r in reg.cls.rules],
             }
         )
