@@ -18,6 +18,7 @@ from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
 from cardcage.errors import MisconfigurationError
+from cardcage.process_state import as_found
 from cardcage.progress import ProgressBar
 from cardcage.resume_checks import OPTIMIZER_TYPES
 from cardcage.selection import Selection, probe_pending_gpus, select
@@ -147,24 +148,25 @@ class Trainer:
         self.model = model
         self.train_dataloader = train_dataloader
         self.val_dataloaders = _loaders(val_dataloaders)
-        if self.flags.benchmark:
-            torch.backends.cudnn.benchmark = True
-        # before any process, port or CUDA context
-        self._checked = resuming.check(self, self.accelerator, model)
-        self._probe_auto_selected_gpus()
-        if self.selection.gpu_ids:
-            devices.apply_cuda_environment(
-                self.selection.gpu_ids,
-                slurm_managing_tasks=self.selection.cluster == "slurm",
-            )
-        # MASTER_ADDR resolves: checked before any process or port exists
-        rendezvous.check_master_address(self.selection, self.accelerator.needs_rendezvous)
-        hooks = self._hooks()
-        try:
-            hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
-            self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
-        finally:
-            self._checked = None  # a backend that never resumed here: let go of the file
+        with as_found(self):  # the process as it was, after a fit that returns or fails
+            if self.flags.benchmark:
+                torch.backends.cudnn.benchmark = True
+            # before any process, port or CUDA context
+            self._checked = resuming.check(self, self.accelerator, model)
+            self._probe_auto_selected_gpus()
+            if self.selection.gpu_ids:
+                devices.apply_cuda_environment(
+                    self.selection.gpu_ids,
+                    slurm_managing_tasks=self.selection.cluster == "slurm",
+                )
+            # MASTER_ADDR resolves: checked before any process or port exists
+            rendezvous.check_master_address(self.selection, self.accelerator.needs_rendezvous)
+            hooks = self._hooks()
+            try:
+                hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+                self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
+            finally:
+                self._checked = None  # a backend that never resumed here: let go of the file
         return self.results
 
     def _probe_auto_selected_gpus(self) -> None:
