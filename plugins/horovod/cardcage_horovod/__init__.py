@@ -131,6 +131,16 @@ class HorovodAccelerator(Accelerator):
                 "and start the job with `horovodrun -np N -H host1:n1,host2:n2 python train.py`; "
                 "on one machine, num_processes=N starts N processes without horovodrun."
             )
+        if ctx.cluster.name == "torchelastic" and ctx.processes_created_outside:
+            size = ctx.cluster.world_size()
+            raise MisconfigurationError(
+                f"distributed_backend='horovod' under torchrun (WORLD_SIZE={size}): Horovod "
+                "takes its processes from its own launcher, not from torchrun's, so each of the "
+                f"{size} torchrun processes would start a Horovod job of its own. Start the job "
+                f"with `horovodrun -np {size} python train.py`, or with `python train.py` and "
+                f"num_processes={size} (Horovod's runner starts the processes); under torchrun, "
+                "use distributed_backend='ddp'."
+            )
         if ctx.gpu_ids and not started_by_horovod(ctx) and ctx.num_processes > ctx.device_count:
             raise MisconfigurationError(
                 f"distributed_backend='horovod' with gpus={ctx.flags.gpus!r} and num_processes="

@@ -165,6 +165,49 @@ def test_named_without_horovodrun_it_starts_num_processes_workers(with_horovod: 
     assert (selection.cluster, selection.num_processes, selection.world_size) == ("local", 3, 3)
 
 
+TORCHRUN = {
+    "TORCHELASTIC_RUN_ID": "job",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+@pytest.mark.parametrize("num_processes", [1, 2, 4])
+def test_under_torchrun_with_several_processes_it_is_refused_with_what_to_do(
+    with_horovod: None, monkeypatch: pytest.MonkeyPatch, num_processes: int
+) -> None:
+    """Each torchrun process would start horovod.run workers of its own (a Horovod job per
+    torchrun rank): refused when the Trainer is built, naming the launchers that work."""
+    for name, value in {**ALONE, **TORCHRUN}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MisconfigurationError) as error:
+        cardcage.Trainer(distributed_backend="horovod", num_processes=num_processes)
+    message = str(error.value)
+    assert "distributed_backend='horovod' under torchrun (WORLD_SIZE=2)" in message
+    assert "horovodrun -np 2 python train.py" in message
+    assert "num_processes=2" in message and "distributed_backend='ddp'" in message
+
+
+def test_under_a_one_process_torchrun_it_trains_in_place(with_horovod: None) -> None:
+    """torchrun with one process: one Horovod process, in the torchrun process itself, even
+    when num_processes asks for more (which it warns is ignored)."""
+    env = {**ALONE, **TORCHRUN, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    selection = select(env=env, distributed_backend="horovod", num_processes=2)
+    assert (selection.cluster, selection.num_processes, selection.world_size) == (
+        "torchelastic",
+        1,
+        1,
+    )
+    assert any("num_processes=2 is ignored" in w for w in selection.warnings)
+    launcher = HorovodAccelerator(selection).make_launcher()
+    assert type(launcher).__name__ == "InProcessLauncher"
+
+
 def test_without_horovod_availability_names_the_build_helper(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
