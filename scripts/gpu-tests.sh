@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Run the GPU-only tests (tests/gpu, marker `gpu`) on a machine with a CUDA GPU.
+# Run the GPU tests on a machine with a CUDA GPU: the GPU-marked tests (tests/gpu, marker
+# `gpu`) and the gpu and dp plugins' own tests with their conformance-kit checks
+# (plugins/gpu/tests, plugins/dp/tests), which train on the GPU there.
 #
 #   scripts/gpu-tests.sh [extra pytest arguments]
 #
-# It makes a virtual environment ($VENV, default $TMPDIR/cardcage-gpu-venv) that also sees the system's
-# packages, so a CUDA build of torch that a GPU image already has is used as it is. What is
-# missing is installed with pip: torch==2.13.0 (from PyPI on Linux x86-64 that is a CUDA build;
-# unlike a development setup, no CPU wheel index is named here), pytest, pluggy, numpy,
-# packaging and tqdm. cardcage itself (the core and the eight backend plugins) is installed
-# editable with pip when its build backend (hatchling) is at hand; on a machine that cannot
-# reach a package index, the sources are put on the path instead, with the package metadata
-# (entry points included) that plugin discovery reads.
+# It makes a virtual environment ($VENV, default $TMPDIR/cardcage-gpu-venv) that also sees the
+# system's packages. torch is the version requirements-dev.txt pins, as a CUDA build: a torch
+# the venv or the system already has is used only when it is that version and built with
+# CUDA; otherwise the pinned version is installed into the venv with pip (from PyPI, whose
+# Linux x86-64 wheels are CUDA builds; $TORCH_INDEX_URL names another index, e.g.
+# https://download.pytorch.org/whl/cu128), and the script fails if what it got is not that
+# CUDA build. pytest, pluggy, numpy, packaging and tqdm are installed where missing.
+# cardcage itself (the core and the nine backend plugins) is installed editable with pip when
+# its build backend (hatchling) is at hand; on a machine that cannot reach a package index,
+# the sources are put on the path instead, with the package metadata (entry points included)
+# that plugin discovery reads.
 #
 # It fails when CUDA is not available (every test would only be skipped), unless
-# GPU_TESTS_ALLOW_CPU=1.
+# GPU_TESTS_ALLOW_CPU=1 (which also accepts a CPU build of torch).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -29,12 +34,49 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 py="$VENV/bin/python"
 
-# Third-party packages the tests need, installed only where missing.
+# torch: requirements-dev.txt's pin, as a CUDA build.
+torch_pin=$(sed -n 's/^torch==\([^[:space:];#]*\).*/\1/p' requirements-dev.txt | head -n 1)
+if [ -z "$torch_pin" ]; then
+    echo "gpu-tests: requirements-dev.txt pins no torch (a line torch==VERSION)" >&2
+    exit 1
+fi
+# Whether the torch this venv imports is the pin (a local label like +cu128 aside) and, unless
+# a CPU run is allowed, a CUDA build. Prints what it found.
+torch_check="import sys
+try:
+    import torch
+except ImportError:
+    print('no torch'); sys.exit(1)
+cuda = torch.version.cuda
+print(f'torch {torch.__version__} (CUDA {cuda})')
+same = torch.__version__.split('+')[0] == sys.argv[1]
+sys.exit(0 if same and (cuda or sys.argv[2] == '1') else 1)"
+allow_cpu=${GPU_TESTS_ALLOW_CPU:-0}
+if found=$("$py" -c "$torch_check" "$torch_pin" "$allow_cpu" 2>&1); then
+    echo "gpu-tests: using $found"
+else
+    echo "gpu-tests: found ${found##*$'\n'}; installing torch==$torch_pin (a CUDA build)"
+    index=()
+    if [ -n "${TORCH_INDEX_URL:-}" ]; then
+        index=(--index-url "$TORCH_INDEX_URL")
+    fi
+    # --ignore-installed: a torch of the system's (another version, or a CPU build of the
+    # same one) is shadowed by the venv's instead of counting as already there.
+    "$py" -m pip install --ignore-installed "${index[@]}" "torch==$torch_pin"
+    if ! found=$("$py" -c "$torch_check" "$torch_pin" "$allow_cpu" 2>&1); then
+        echo "gpu-tests: after installing torch==$torch_pin, found ${found##*$'\n'}:" \
+            "not the pinned CUDA build. Name a CUDA wheel index in TORCH_INDEX_URL" \
+            "(e.g. https://download.pytorch.org/whl/cu128)." >&2
+        exit 1
+    fi
+    echo "gpu-tests: using $found"
+fi
+
+# The other third-party packages the tests need, installed only where missing.
 missing=()
-for spec in torch==2.13.0 pytest pluggy numpy packaging tqdm; do
-    module=${spec%%==*}
+for module in pytest pluggy numpy packaging tqdm; do
     if ! "$py" -c "import $module" >/dev/null 2>&1; then
-        missing+=("$spec")
+        missing+=("$module")
     fi
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -100,11 +142,18 @@ for index in range(torch.cuda.device_count()):
     print(f"gpu-tests:   {index}: {torch.cuda.get_device_name(index)}")
 PY
 if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    if [ "${GPU_TESTS_ALLOW_CPU:-0}" != "1" ]; then
+    if [ "$allow_cpu" != "1" ]; then
         echo "gpu-tests: CUDA is not available here: every GPU test would be skipped." >&2
         echo "gpu-tests: run this on a machine with an NVIDIA GPU (or GPU_TESTS_ALLOW_CPU=1)." >&2
         exit 1
     fi
 fi
 
-exec "$py" -m pytest -p no:cacheprovider -m gpu tests/gpu -v "$@"
+# Both runs, whatever the first one's outcome; the status is the first failure's.
+status=0
+"$py" -m pytest -p no:cacheprovider -m gpu tests/gpu -v "$@" || status=$?
+"$py" -m pytest -p no:cacheprovider plugins/gpu/tests plugins/dp/tests -v "$@" || {
+    rc=$?
+    [ "$status" -ne 0 ] || status=$rc
+}
+exit "$status"

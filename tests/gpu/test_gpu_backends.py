@@ -6,8 +6,7 @@ available. Parity is checked against the plain CUDA loop a user would write.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,26 +20,6 @@ from cardcage import checkpoint
 F = torch.nn.functional
 BATCH = 32
 STEPS_PER_EPOCH = 4
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cuda_settings() -> Iterator[None]:
-    """Deterministic cuDNN for the comparisons; put back the cuDNN flags and the CUDA
-    variables that ``fit`` sets for its processes after every test."""
-    names = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
-    saved_env = {name: os.environ.get(name) for name in names}
-    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def loader(shuffle: bool = True, seed: int = 5) -> DataLoader[Any]:
@@ -235,6 +214,28 @@ def test_dp_without_step_end_averages_the_replicas() -> None:
     trainer = fit(model, loader(), max_epochs=2, gpus=-1, distributed_backend="dp")
     assert len(trainer.losses) == 2 * STEPS_PER_EPOCH
     assert epoch_means(trainer.losses)[-1] < epoch_means(trainer.losses)[0]
+
+
+@pytest.mark.gpu
+def test_dp_with_batches_that_split_unevenly_matches_a_plain_cuda_loop() -> None:
+    """Batches of one more sample than there are GPUs (3 on 2 GPUs: 2 + 1): each replica's
+    loss counts by its share of the batch, so the steps are the plain loop's."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip("needs two GPUs")
+    data = loader(False).dataset
+    uneven = DataLoader(data, batch_size=count + 1, shuffle=False)
+    model = seeded()
+    fit(model, uneven, max_steps=12, gpus=-1, distributed_backend="dp")
+    reference = seeded()
+    device = torch.device("cuda", 0)
+    reference.to(device)
+    optimizer = reference.configure_optimizers()
+    for _, (x, y) in zip(range(12), uneven, strict=False):
+        optimizer.zero_grad()
+        reference.loss((x.to(device), y.to(device)))[0].backward()
+        optimizer.step()
+    assert_close_weights(model, reference)
 
 
 # -- 16-bit -----------------------------------------------------------------------------------
