@@ -1,6 +1,7 @@
-"""Faults: a rank that raises, a rank killed with SIGKILL, SIGTERM or SIGINT to the launcher.
-Each ends the job within 30 s of the fault with a non-zero exit that names the failing rank,
-and leaves no process behind.
+"""Faults: a rank that raises, a rank killed with SIGKILL, a rank that leaves early with
+status 0, SIGTERM or SIGINT to the launcher. Each ends the job within 30 s of the fault with a
+non-zero exit that names the failing rank (never a survivor that failed because it was
+gone), and leaves no process behind.
 
 The scenarios run concurrently (see ``conftest.py``); each test reports one of them.
 """
@@ -89,6 +90,26 @@ def rank_killed(mode: str) -> Any:
     return scenario
 
 
+def rank_leaves(mode: str) -> Any:
+    """Rank 1 calls ``os._exit(0)`` mid-fit: to a launcher, status 0 looks like success, and
+    its peer then fails inside a collective ("Connection closed by peer")."""
+
+    def scenario(harness: Any) -> None:
+        run = start(harness, mode, "--leave-rank", "1", "--leave-step", "3")
+        out = harness.root / "out"
+        harness.wait_for_files([out / "leaving-rank1"], run)
+        ended_within_deadline(run, time.monotonic(), f"{mode}: rank 1 left with status 0")
+        stderr = run.stderr
+        # The rank that left is named, as the one that left; the survivor is not blamed.
+        assert "RankFailedError: rank 1 left the job early" in stderr, stderr
+        assert "RankFailedError: rank 0" not in stderr, stderr
+        if mode != "torchrun":
+            assert "(exited with status 0 before its fit finished)" in stderr, stderr
+        harness.assert_no_leftovers()
+
+    return scenario
+
+
 def launcher_signalled(mode: str, sig: signal.Signals) -> Any:
     def scenario(harness: Any) -> None:
         run = start(harness, mode)
@@ -109,6 +130,7 @@ def launcher_signalled(mode: str, sig: signal.Signals) -> Any:
 SCENARIOS = {
     **{f"raise-{mode}": rank_raises(mode) for mode in ("relaunch", "spawn", "torchrun")},
     **{f"sigkill-rank1-{mode}": rank_killed(mode) for mode in ("relaunch", "spawn")},
+    **{f"leave0-rank1-{mode}": rank_leaves(mode) for mode in ("relaunch", "spawn", "torchrun")},
     **{
         f"{sig.name}-launcher-{mode}": launcher_signalled(mode, sig)
         for mode in ("relaunch", "spawn")
@@ -124,6 +146,15 @@ def test_a_rank_that_raises_at_step_3_ends_the_job_naming_it(scenarios: Any, sce
 
 @pytest.mark.parametrize("scenario", ["sigkill-rank1-relaunch", "sigkill-rank1-spawn"])
 def test_a_rank_killed_mid_training_ends_the_job_naming_it(scenarios: Any, scenario: str) -> None:
+    scenarios.result(scenario)
+
+
+@pytest.mark.parametrize(
+    "scenario", ["leave0-rank1-relaunch", "leave0-rank1-spawn", "leave0-rank1-torchrun"]
+)
+def test_a_rank_that_exits_0_mid_fit_is_named_as_the_one_that_left(
+    scenarios: Any, scenario: str
+) -> None:
     scenarios.result(scenario)
 
 

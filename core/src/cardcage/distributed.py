@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
-from cardcage import exits, rendezvous, watchdog
+from cardcage import exits, failures, rendezvous, watchdog
 from cardcage.accelerator import Accelerator
 from cardcage.launchers import ScriptLauncher
 from cardcage.samplers import distributed_loader
@@ -156,6 +156,8 @@ class DistributedAccelerator(Accelerator):
         if backend == "gloo":
             # Gloo's threads must be done before the interpreter finalizes (see exits.py).
             exits.register(exits.threads() - before)
+        # Where no launcher watches (torchrun), a peer that finds this rank gone names it.
+        failures.join(store, self.global_rank, self.world_size)
         log.info(
             "cardcage: rank %d of %d joined the %s process group",
             self.global_rank,

@@ -19,7 +19,7 @@ import abc
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cardcage import relaunch
-from cardcage.failures import write_error_file
+from cardcage.failures import departure, write_error_file
 from cardcage.rendezvous import DEFAULT_ADDRESS
 
 if TYPE_CHECKING:
@@ -98,5 +98,10 @@ class ScriptLauncher(Launcher):
             except BaseException as error:
                 # A relaunched child: its traceback goes to the launcher's RankFailedError.
                 write_error_file(error)
+                # No launcher of ours watches (torchrun, srun): a peer that left is named.
+                if selection.processes_created_outside and isinstance(error, Exception):
+                    gone = departure()
+                    if gone is not None:
+                        raise gone from error
                 raise
         return supervisor.run(trainer.run_fit_loop)

@@ -109,14 +109,14 @@ def _still() -> None:
     """No watcher (:mod:`cardcage.watchdog`) counts this rank's progress."""
 
 
-def fit_loop(trainer: Trainer, accelerator: Strategy) -> None:
-    """Train ``trainer.model`` until ``max_epochs`` or ``max_steps``."""
-    heart = watchdog.attach()
+def fit_loop(trainer: Trainer, accelerator: Strategy, heart: watchdog.Heart | None = None) -> None:
+    """Train ``trainer.model`` until ``max_epochs`` or ``max_steps``; ``heart``, when a
+    watcher counts this rank's progress (attached before the rank's setup)."""
     try:
         _train(trainer, accelerator, heart.beat if heart is not None else None)
     finally:
         if heart is not None:
-            heart.close()
+            heart.finish()
 
 
 def _step_calls(

@@ -100,7 +100,7 @@ def relaunch_script(
     errors = Path(tempfile.mkdtemp(prefix="cardcage-errors-"))
     atexit.register(shutil.rmtree, errors, True)  # the children's error files, once read
     # This process starts every rank (one node): it watches their progress too.
-    watch = Watch(errors, world_size) if hosted else None
+    watch = Watch(errors, world_size, {base_rank: os.getpid()}) if hosted else None
     if watch is not None:
         env[HEARTBEAT] = str(errors)
     env.update(

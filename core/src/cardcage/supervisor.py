@@ -3,6 +3,9 @@
 - a child that exits non-zero (or is killed) stops every other child within seconds, and the
   launcher raises :class:`~cardcage.errors.RankFailedError` naming the first failing rank
   with its traceback (children write it to an error file, :mod:`cardcage.failures`);
+- so does a child that exits with status 0 before it finished the fit this launcher runs
+  (each child counts the fits it finished, :func:`~cardcage.failures.fits_finished`): it
+  left the job early, and the peers that failed because it was gone are not blamed;
 - SIGINT and SIGTERM to the launcher stop all of its children first;
 - children die with their launcher (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the
   launcher leaves nothing behind;
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cardcage.errors import RankFailedError
-from cardcage.failures import read_error_file
+from cardcage.failures import fits_finished, left_early, read_error_file
 from cardcage.rendezvous import INIT_TIMEOUT, arrival_key, init_timeout
 from cardcage.watchdog import Watch
 
@@ -86,6 +89,9 @@ class Supervisor:
     watch: Watch | None = None
     failure: Failure | None = None
     signal_received: int | None = None
+    #: The fits run under this supervisor so far (a child that exits before it finished as
+    #: many has left the job early).
+    runs: int = 0
     stopping: threading.Event = field(default_factory=threading.Event)
     in_fit: threading.Event = field(default_factory=threading.Event)
     acknowledged: threading.Event = field(default_factory=threading.Event)
@@ -100,6 +106,10 @@ class Supervisor:
     #: Signals reach the watcher through this socket (``signal.set_wakeup_fd``), whichever
     #: thread of the process the kernel delivers them to.
     _wakeup: tuple[socket.socket, socket.socket] | None = None
+
+    def __post_init__(self) -> None:
+        if self.watch is not None:  # a rank that has not attached yet is found by its pid
+            self.watch.pids.update({child.rank: child.pid for child in self.children})
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._watch, name="cardcage-supervisor", daemon=True)
@@ -148,17 +158,20 @@ class Supervisor:
     def first_failure(self) -> Failure | None:
         """The failed child that failed first, or ``None`` while none has.
 
-        A child's time of failure is the one its error file records. A child killed from
-        outside (SIGKILL, SIGTERM: a peer's death never ends a rank that way) leaves no file;
-        it died after it was last seen running and before its peers noticed, so it counts
-        from the last time it was seen running.
+        A child failed when it exited with a non-zero status, was killed, or exited with
+        status 0 before it finished the fit this supervisor runs (it left the job early).
+        Its time of failure is the one its error file records. A child that ended without a
+        word (killed from outside, ``os._exit``) leaves no file; it ended after it was last
+        seen running and before its peers noticed its absence, so it counts from the last
+        time it was seen running: a peer that failed because it was gone comes later.
         """
         now = time.monotonic()
         failed = []
         for child in self.children:
-            if child.poll() in (None, 0):
+            code = child.poll()
+            if code is None:
                 self._alive_at[child.rank] = now
-            else:
+            elif code != 0 or fits_finished(child.error_file) < self.runs:
                 failed.append(child)
         if not failed:
             return None
@@ -168,9 +181,12 @@ class Supervisor:
         for child in failed:
             code = child.poll()
             when, text = read_error_file(child.error_file)
-            if not text and code in (-signal.SIGKILL, -signal.SIGTERM):
+            if not text:
                 when = self._alive_at.get(child.rank, 0.0) + offset
-            failures.append(Failure(child.rank, code, text, when=when))
+            signalled = code is not None and code < 0
+            early = code == 0 or not (text or signalled)
+            reason = left_early(code) if early and code is not None else ""
+            failures.append(Failure(child.rank, code, text, reason=reason, when=when))
         return min(failures, key=lambda f: (f.when, f.rank))
 
     def _abort(self, failure: Failure | None) -> None:
@@ -263,6 +279,7 @@ class Supervisor:
             self._interrupt_pending = False
         if self.watch is not None:
             self.watch.restart()
+        self.runs += 1
         self.in_fit.set()
         self.acknowledged.clear()
         if self._thread is None or not self._thread.is_alive():
@@ -334,6 +351,7 @@ def stop_processes(pids: Sequence[int], polls: Sequence[Callable[[], int | None]
     for pid in alive:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGCONT)  # a stopped process takes its SIGTERM now
     deadline = time.monotonic() + STOP_GRACE_S
     while time.monotonic() < deadline and any(p() is None for p in polls):
         time.sleep(0.05)

@@ -18,11 +18,13 @@ from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
 from cardcage.errors import MisconfigurationError
+from cardcage.failures import record_fit_finished
 from cardcage.process_state import as_found
 from cardcage.progress import ProgressBar
 from cardcage.resume_checks import OPTIMIZER_TYPES
 from cardcage.selection import Selection, probe_pending_gpus, select
 from cardcage.strategy import Strategy
+from cardcage.watchdog import attach as attach_heart
 
 
 def _loaders(value: Any) -> list[Any]:
@@ -229,16 +231,22 @@ class Trainer:
         """Train in this process: set it up, run the loop, tear it down (also after a
         failure). Launchers call it once in every training process."""
         hooks = self._hooks()
+        heart = attach_heart()  # before setup: a rank stuck there shows its pid and stack
         try:
             self.prepare()
-            loop.fit_loop(self, self.accelerator)
+            loop.fit_loop(self, self.accelerator, heart)
         finally:
             if self._requeue is not None:
                 self._requeue.close()
                 self._requeue = None
             self.in_epoch = False
             self.progress.end_epoch()
-            hooks.cardcage_teardown_process(trainer=self, accelerator=self.accelerator)
+            try:
+                hooks.cardcage_teardown_process(trainer=self, accelerator=self.accelerator)
+            finally:
+                if heart is not None:
+                    heart.close()
+        record_fit_finished()  # a rank that exits without this has left the job early
         return None
 
     def at_stop_step(self) -> None:

@@ -9,12 +9,17 @@ shared file the launcher made (:data:`HEARTBEAT` names its folder):
 - the loop beats before each training step, after the step function returned, after the
   optimizer step and for each validation batch (:class:`Heart`): one store into shared
   memory, tens of nanoseconds, no system call and no collective;
+- each rank attaches as its fit begins, before its setup (the process group,
+  ``configure_optimizers``), so that a rank stuck there shows its stack and pid too;
 - the launcher's supervisor reads the counts about once a second (:class:`Watch`). When no
   rank has moved for ``CARDCAGE_STUCK_WARN`` seconds (default 60), the ranks whose count is
   lowest are the ones the others wait for: stderr names them and shows their Python stacks
   (each rank dumps its own on SIGUSR2 with :mod:`faulthandler`, into a file the launcher
   prints). After ``CARDCAGE_TIMEOUT`` seconds (default 1800) the job fails with a
-  :class:`~cardcage.errors.RankFailedError` naming the first of them.
+  :class:`~cardcage.errors.RankFailedError` naming the first of them;
+- a rank that is stopped (SIGSTOP, state ``T``) is the one the others wait for, whatever
+  its count and whichever phase of the fit it was stopped in (its setup, after the loop):
+  the watcher reads its state from ``/proc``.
 
 The process group's own timeout is set a little beyond ``CARDCAGE_TIMEOUT``
 (:func:`collective_timeout`), so that the watcher, which knows who is behind, speaks first.
@@ -67,6 +72,7 @@ class Heart:
         self.mapped, self.view = _view(folder / "beats")
         self.index = rank * _SLOT
         self.count = 0
+        self.view[self.index] = 0  # in this fit, not yet stepped (an earlier fit finished)
         self.view[self.index + 1] = os.getpid()
         self.stacks: IO[str] = open(folder / f"stack-{rank}.txt", "a")  # noqa: SIM115
         faulthandler.register(STACK_SIGNAL, file=self.stacks, all_threads=True)
@@ -80,6 +86,7 @@ class Heart:
         self.view[self.index] = FINISHED
 
     def close(self) -> None:
+        """This rank's fit ended: no more counts, no more stacks."""
         self.finish()
         faulthandler.unregister(STACK_SIGNAL)
         self.stacks.close()
@@ -99,9 +106,12 @@ def attach() -> Heart | None:
 class Watch:
     """The launcher's side: reads every rank's count; names the ranks the others wait for."""
 
-    def __init__(self, folder: Path, world_size: int):
+    def __init__(self, folder: Path, world_size: int, pids: dict[int, int] | None = None):
         self.folder = folder
         self.world_size = world_size
+        #: The pids the launcher knows (its children's): a rank that has not attached yet
+        #: is still found by them.
+        self.pids = dict(pids or {})
         (folder / "beats").write_bytes(bytes(8 * _SLOT * world_size))
         self.mapped, self.view = _view(folder / "beats")
         self.warn_after = stuck_warn()
@@ -109,9 +119,11 @@ class Watch:
         self.restart()
 
     def restart(self) -> None:
-        """Start watching afresh (a fit begins): armed once a rank moves."""
-        self.baseline = self.counts()
-        self.last = self.baseline
+        """Start watching afresh (a fit begins): armed once a rank steps in this fit, or
+        at once for a rank that is stopped."""
+        for rank in range(self.world_size):
+            self.view[rank * _SLOT] = 0
+        self.last = self.counts()
         self.moved_at = time.monotonic()
         self.warned = False
 
@@ -119,7 +131,22 @@ class Watch:
         return [int(self.view[r * _SLOT]) for r in range(self.world_size)]
 
     def pid(self, rank: int) -> int:
-        return int(self.view[rank * _SLOT + 1])
+        """``rank``'s pid: the one it wrote when it attached, else the one its launcher
+        knows (0 when neither: the launching process's own rank before it attached)."""
+        return int(self.view[rank * _SLOT + 1]) or self.pids.get(rank, 0)
+
+    def stopped(self) -> list[int]:
+        """The ranks whose process is stopped (SIGSTOP, SIGTSTP: state ``T`` in ``/proc``)."""
+        found = []
+        for rank in range(self.world_size):
+            pid = self.pid(rank)
+            if pid <= 0 or pid == os.getpid():
+                continue  # unknown, or this process: running, since it reads this
+            with contextlib.suppress(OSError, IndexError):
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                if stat.rpartition(")")[2].split()[0] == "T":
+                    found.append(rank)
+        return found
 
     def check(self, now: float) -> tuple[int, str, str] | None:
         """``(rank, reason, stack)`` once the job has waited ``CARDCAGE_TIMEOUT`` for that
@@ -128,20 +155,31 @@ class Watch:
         if counts != self.last:
             self.last, self.moved_at, self.warned = counts, now, False
             return None
-        active = [r for r, c in enumerate(counts) if c != FINISHED]
-        if counts == self.baseline or not active:
-            return None  # nobody has stepped yet in this fit, or everybody is done
         still = now - self.moved_at
         if still < self.warn_after:
             return None
-        low = min(counts[r] for r in active)
-        behind = [r for r in active if counts[r] == low]
+        stopped = self.stopped()
+        active = [r for r, c in enumerate(counts) if c != FINISHED]
+        if stopped:
+            behind = stopped  # whatever its count, and in any phase of the fit
+        elif not any(counts[r] > 0 for r in active):
+            return None  # nobody has stepped yet in this fit, or everybody is done
+        else:
+            low = min(counts[r] for r in active)
+            behind = [r for r in active if counts[r] == low]
         waiting = [r for r in range(self.world_size) if r not in behind]
+        state = (
+            f"{_ranks(behind)} {'is' if len(behind) == 1 else 'are'} stopped (SIGSTOP) and "
+            if stopped
+            else f"{_ranks(behind)} "
+        )
         if waiting:
             what = (
-                f"{_ranks(behind)} {'has' if len(behind) == 1 else 'have'} kept "
+                f"{state}{'has' if len(behind) == 1 else 'have'} kept "
                 f"{_ranks(waiting)} waiting for {still:.0f}s"
             )
+        elif stopped:
+            what = f"{state}no rank has made progress for {still:.0f}s"
         else:
             what = f"no rank has made progress for {still:.0f}s ({_ranks(behind)})"
         if still >= self.fail_after:
@@ -160,11 +198,19 @@ class Watch:
         return None
 
     def stack(self, rank: int, wait_s: float = 2.0) -> str:
-        """The Python stacks of ``rank``'s threads, as it dumps them on request."""
+        """The Python stacks of ``rank``'s threads, as it dumps them on request (a stopped
+        rank cannot: what it would take to resume it instead)."""
         path = self.folder / f"stack-{rank}.txt"
         pid = self.pid(rank)
+        if pid <= 0:
+            return ""
+        if rank in self.stopped():
+            return f"(it is stopped and cannot answer; `kill -CONT {pid}` resumes it)"
         try:
             before = path.stat().st_size
+        except OSError:
+            return "(its fit has not begun, so it has no stack handler yet)"
+        try:
             os.kill(pid, STACK_SIGNAL)
         except OSError:
             return ""

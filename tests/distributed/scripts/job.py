@@ -10,6 +10,11 @@ model on 64 indexed samples with cardcage and leaves, per rank:
   returned: the final weights, the selection, the logged metrics, checkpoint bookkeeping;
 - ``pid-rank<R>`` at its second step (fault tests kill or signal it then).
 
+Faults a test can inject: a rank that raises (``--fail-rank``/``--fail-step``), spins
+(``--spin-rank``/``--spin-step``), leaves with ``os._exit`` (``--leave-rank``/``--leave-step``,
+status ``--leave-status``), stops itself with SIGSTOP (``--stop-rank``/``--stop-step``), or
+sleeps in ``configure_optimizers`` (``--slow-optimizers-rank``, ``--slow-optimizers-s``).
+
 Imported, it offers :func:`reference_weights`, a plain PyTorch loop to compare against.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -98,6 +104,13 @@ class Job(torch.nn.Module):
         self.step_sleep = options.step_sleep
         self.spin_rank = options.spin_rank
         self.spin_step = options.spin_step
+        self.leave_rank = options.leave_rank
+        self.leave_step = options.leave_step
+        self.leave_status = options.leave_status
+        self.stop_rank = options.stop_rank
+        self.stop_step = options.stop_step
+        self.slow_optimizers_rank = options.slow_optimizers_rank
+        self.slow_optimizers_s = options.slow_optimizers_s
         self.batch_size = options.batch_size
         self.samples = options.samples
         self.shuffle = options.shuffle
@@ -108,6 +121,19 @@ class Job(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
+
+    def to(self, *args: Any, **kwargs: Any) -> Job:
+        """The backend places the model in its setup, before any step: ``--stop-step 0``
+        stops the rank there, while its peers go on to wait in their first collective."""
+        if self.stop_step == 0:
+            self._stop()
+        return super().to(*args, **kwargs)
+
+    def _stop(self) -> None:
+        rank = _rank()
+        if rank == self.stop_rank:
+            (Path(self.out) / f"stopping-rank{rank}").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def info(self) -> dict[str, Any]:
         import torch.distributed as dist
@@ -140,6 +166,11 @@ class Job(torch.nn.Module):
             raise RuntimeError(f"injected failure at step {self.steps} on rank {rank}")
         if rank == self.spin_rank and self.steps == self.spin_step:
             _spin(Path(self.out) / f"spinning-rank{rank}")
+        if rank == self.leave_rank and self.steps == self.leave_step:
+            (Path(self.out) / f"leaving-rank{rank}").write_text(str(os.getpid()))
+            os._exit(self.leave_status)  # gone mid-fit, without a word
+        if self.steps == self.stop_step:
+            self._stop()
         if self.step_sleep:
             time.sleep(self.step_sleep)
         return torch.nn.functional.mse_loss(self(x), y)
@@ -152,6 +183,10 @@ class Job(torch.nn.Module):
         return {"loss": loss}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        rank = _rank()
+        if rank == self.slow_optimizers_rank:
+            (Path(self.out) / f"slow-optimizers-rank{rank}").write_text(str(os.getpid()))
+            time.sleep(self.slow_optimizers_s)
         return torch.optim.SGD(self.parameters(), lr=LR)
 
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
@@ -183,6 +218,13 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--spin-rank", type=int, default=-1, help="a rank that hangs...")
     parser.add_argument("--spin-step", type=int, default=-1, help="...spinning at this step")
+    parser.add_argument("--leave-rank", type=int, default=-1, help="a rank that exits...")
+    parser.add_argument("--leave-step", type=int, default=-1, help="...at this step...")
+    parser.add_argument("--leave-status", type=int, default=0, help="...with this status")
+    parser.add_argument("--stop-rank", type=int, default=-1, help="a rank that SIGSTOPs...")
+    parser.add_argument("--stop-step", type=int, default=-1, help="...at this step (0: setup)")
+    parser.add_argument("--slow-optimizers-rank", type=int, default=-1)
+    parser.add_argument("--slow-optimizers-s", type=float, default=0.0)
     parser.add_argument("--marker", default="", help="lets a test find its processes")
     return parser.parse_args(argv)
 
