@@ -6,7 +6,6 @@ import importlib.metadata as metadata
 import importlib.util
 import platform
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
@@ -43,9 +42,11 @@ def backend_rows(env: Mapping[str, str]) -> tuple[list[dict[str, Any]], list[dic
     rows = []
     for name in sorted(registry.accelerators):
         reg = registry.accelerators[name]
-        begin = time.monotonic()
-        availability = check_availability(reg.cls, ctx)
-        seconds = time.monotonic() - begin
+        # Named on stderr while it runs long (a listing may wait on a device or a network);
+        # select() itself starts no thread, and so times nothing.
+        what = f"plugin {reg.plugin}'s availability check of backend {name!r}"
+        with plugins.named_while_slow(what) as timed:
+            availability = check_availability(reg.cls, ctx)
         rows.append(
             {
                 "name": name,
@@ -57,7 +58,7 @@ def backend_rows(env: Mapping[str, str]) -> tuple[list[dict[str, Any]], list[dic
                 "reason": availability.reason,
                 "hint": availability.hint,
                 "status": availability.describe(),
-                "check_seconds": round(seconds, 3),  # how long its availability check took
+                "check_seconds": round(timed.seconds, 3),  # how long its availability check took
                 "rules": [{"order": r.order, "name": r.name, "why": r.why} for r in reg.cls.rules],
             }
         )

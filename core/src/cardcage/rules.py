@@ -23,12 +23,9 @@ MAX_REDIRECTS = 4
 
 def check_availability(cls: type[Accelerator], ctx: SelectionContext) -> Availability:
     """``cls.availability(ctx)``; a check that raises (but for a misconfiguration) is
-    reported as unavailable with the error, so that one broken plugin cannot stop selection.
-    A check that takes long is named on stderr while it runs (:func:`plugins.named_while_slow`)."""
-    what = f"the availability check of backend {cls.name!r} (plugin module {cls.__module__})"
+    reported as unavailable with the error, so that one broken plugin cannot stop selection."""
     try:
-        with plugins.named_while_slow(what):
-            return cls.availability(ctx)
+        return cls.availability(ctx)
     except MisconfigurationError:
         raise
     except Exception as error:  # a broken check must not take selection down
