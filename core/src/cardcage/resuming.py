@@ -37,7 +37,14 @@ def check(
     reads_folders = getattr(method, "__func__", None) is not Strategy.load_checkpoint
     # Throw-away optimizers over the model's parameters, to check the saved states against
     # (no step is taken: the model is not touched); each training process makes its own.
-    optimizers = configure_optimizers(model).optimizers
+    # One that needs a training process to be made is checked there instead, as before.
+    optimizers: list[torch.optim.Optimizer] | None
+    try:
+        optimizers = configure_optimizers(model).optimizers
+    except MisconfigurationError:
+        raise
+    except Exception:
+        optimizers = None
     return checkpoint.check_resume(
         path,
         model,
