@@ -408,3 +408,97 @@ def test_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path) -> 
     resumed = resume(path)
     assert resumed.global_step == 2 * BATCHES_PER_EPOCH
     assert_close(resumed.model_after.state_dict(), straight())  # type: ignore[attr-defined]
+
+
+# -- partial files ----------------------------------------------------------------------------
+
+STALLED_WRITER = textwrap.dedent(
+    """
+    import io, os, sys, time
+    import torch
+    from cardcage import checkpoint
+
+    path = sys.argv[1]
+    real_fdopen = os.fdopen
+
+    class Stalling(io.BufferedWriter):
+        stalled = False
+
+        def write(self, data):
+            n = super().write(data)
+            if not Stalling.stalled:
+                Stalling.stalled = True
+                self.flush()
+                print("writing", flush=True)
+                time.sleep(600)  # stopped here, inside torch.save, by the parent's signal
+            return n
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        if mode == "wb":
+            return Stalling(io.FileIO(fd, "wb"))
+        return real_fdopen(fd, mode, *args, **kwargs)
+
+    os.fdopen = fdopen
+    checkpoint.save_atomic({"state_dict": {"w": torch.randn(100_000)}}, path)
+    print("finished", flush=True)
+    """
+)
+
+
+def stalled_writer(path: Path) -> subprocess.Popen[str]:
+    """A process stopped inside ``save_atomic``'s write of ``path``, its partial file there."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", STALLED_WRITER, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stderr is not None
+    if child.stdout.readline().strip() != "writing":
+        child.kill()
+        raise AssertionError(child.stderr.read())
+    return child
+
+
+def partial_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.suffix == ".tmp")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_write_stopped_by_a_signal_removes_its_partial_file(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """A writer stopped inside the write by SIGTERM, SIGINT or SIGHUP (how a launcher stops
+    its ranks, Ctrl+C, a closed terminal) removes its partial file on the way out, and still
+    ends as that signal ends it."""
+    child = stalled_writer(tmp_path / "last.ckpt")
+    try:
+        assert len(partial_files(tmp_path)) == 1
+        os.kill(child.pid, sig)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert child.returncode == -sig, child.stderr.read() if child.stderr else ""
+    assert list(tmp_path.iterdir()) == []  # neither a partial file nor a checkpoint
+
+
+def test_partial_files_of_killed_writers_are_cleared_when_fit_starts(tmp_path: Path) -> None:
+    """A writer killed outright (SIGKILL) cannot clean up: the next fit with that
+    ``default_root_dir`` removes its partial file, and leaves alone the one that a live
+    process (another job sharing the folder) is writing right now."""
+    killed = stalled_writer(tmp_path / "last.ckpt")
+    killed.kill()
+    killed.wait(timeout=60)
+    [left] = partial_files(tmp_path)
+    live = stalled_writer(tmp_path / "last.ckpt")
+    try:
+        writing = [name for name in partial_files(tmp_path) if name != left]
+        assert len(writing) == 1 and f".{live.pid}@" in writing[0]
+        cardcage.Trainer(default_root_dir=tmp_path, max_steps=1, progress_bar=False).fit(
+            fresh_model(), loader()
+        )
+        assert partial_files(tmp_path) == writing
+    finally:
+        live.kill()
+        live.wait(timeout=60)

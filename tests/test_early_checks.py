@@ -448,9 +448,13 @@ def test_automatic_resume_from_default_root_dir_still_works(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A restarted process (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from
-    ``default_root_dir/last.ckpt``, and a checked ``resume_from_checkpoint`` does not
-    replace it."""
+    ``default_root_dir/last.ckpt`` that its own torchrun job wrote, and a checked
+    ``resume_from_checkpoint`` does not replace it."""
     root = tmp_path / "root"
+    # One torchrun job of one process: its attempt 0 writes last.ckpt, its attempt 1 resumes.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        monkeypatch.setenv(name, "1" if "WORLD" in name else "0")
     torch.manual_seed(0)
     cardcage.Trainer(
         default_root_dir=root, checkpoint_every_n_steps=4, max_steps=5, progress_bar=False

@@ -3,7 +3,11 @@
 A checkpoint holds the model, the optimizers, the grad scaler, the epoch, the global step,
 the position inside the epoch and the random states needed to draw the same batches again.
 It is written to a temporary file in the target folder, flushed to disk, then renamed over
-the target: a crash mid-write leaves the previous checkpoint whole.
+the target: a crash mid-write leaves the previous checkpoint whole. The temporary file's name
+holds its writer's pid and host (``.last.ckpt.<pid>@<host>.<random>.tmp``): a write stopped by
+SIGTERM, SIGINT or SIGHUP removes it before the process ends, and :func:`clear_partial_files`
+removes those whose writer was killed outright (SIGKILL), never one that a live process, of
+this job or another, is still writing.
 
 Checking ``resume_from_checkpoint`` before anything starts, and reading a checkpoint file
 with every failure explained (what :func:`load` does), are in :mod:`cardcage.resume_checks`;
@@ -13,13 +17,19 @@ the names used elsewhere are re-exported here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import random
+import re
+import signal
+import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -31,6 +41,46 @@ from cardcage.resume_checks import FORMAT as FORMAT
 from cardcage.resume_checks import LOOP_FILE as LOOP_FILE
 from cardcage.resume_checks import Checked as Checked
 from cardcage.resume_checks import check_resume as check_resume
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The run a ``fit`` belongs to, as the checkpoints it writes record it (``"run"``).
+
+    ``fit``: one call of ``fit``, an id made in the calling process when it starts and
+    carried to the processes it starts; ``max_restarts`` resumes only from its checkpoints.
+    ``job``: the cluster job that restarts its processes (torchrun's, SLURM's), the same in
+    every attempt; its restarts resume only from its checkpoints. ``resume``: the checkpoint
+    a cluster's restart of this job resumes from, decided when ``fit`` starts. See
+    :mod:`cardcage.restarts`.
+    """
+
+    fit: str
+    job: str | None = None
+    resume: str | None = None
+
+    def record(self) -> dict[str, str | None]:
+        """What a checkpoint holds of it."""
+        return {"fit": self.fit, "job": self.job}
+
+
+def recorded_run(path: str | os.PathLike[str]) -> dict[str, Any] | str:
+    """The run a checkpoint records (``{"fit": ..., "job": ...}``), or why there is none.
+
+    Only the loop state is read (``mmap``: the tensors stay on disk). A folder is a backend's
+    own format, whose loop state is its ``loop.pt``.
+    """
+    target = Path(path)
+    if target.is_dir():
+        target = target / LOOP_FILE
+    try:
+        state = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        return f"it cannot be read: {type(error).__name__}: {str(error)[:200]}"
+    run = state.get("run") if isinstance(state, dict) else None
+    if not isinstance(run, dict):
+        return "it records no run: an earlier cardcage, or another program, wrote it"
+    return run
 
 
 def rng_state() -> dict[str, Any]:
@@ -83,28 +133,34 @@ def save_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             "written there. Fix: give the path of a file.",
             str(target),
         )
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(
-            prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
-        )
-    except OSError as error:
-        raise write_error(target, error) from error
-    recorder = _Recorder()
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            recorder.stream = stream
-            torch.save(payload, recorder)  # type: ignore[arg-type]  # write and flush suffice
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException as error:
-        Path(temporary).unlink(missing_ok=True)
-        # torch reports a failed write as "unexpected pos 5504 vs 5398": find the OSError.
-        cause = recorder.error or _os_error(error)
-        if cause is None or not isinstance(error, Exception):
-            raise
-        raise write_error(target, cause) from cause
+    partial = _Partial()
+    with _removed_on_signal(partial):
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            handle, partial.path = tempfile.mkstemp(
+                prefix=f".{target.name}.{_writer()}.", suffix=".tmp", dir=target.parent
+            )
+        except OSError as error:
+            raise write_error(target, error) from error
+        temporary = partial.path
+        recorder = _Recorder()
+        try:
+            with os.fdopen(handle, "wb") as stream:
+                recorder.stream = stream
+                torch.save(payload, recorder)  # type: ignore[arg-type]  # write, flush suffice
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, target)
+            partial.path = None
+        except BaseException as error:
+            partial.remove()
+            if partial.signal is not None:  # Ctrl+C, which torch's writer may have hidden
+                raise KeyboardInterrupt from error
+            # torch reports a failed write as "unexpected pos 5504 vs 5398": find the OSError.
+            cause = recorder.error or _os_error(error)
+            if cause is None or not isinstance(error, Exception):
+                raise
+            raise write_error(target, cause) from cause
     try:
         directory = os.open(target.parent, os.O_RDONLY)
         try:
@@ -114,6 +170,128 @@ def save_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     except OSError as error:
         raise write_error(target, error, written=True) from error
     return target
+
+
+class _Partial:
+    """The temporary file of one write in progress, and the signal that stopped it."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.signal: int | None = None
+
+    def remove(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+@contextlib.contextmanager
+def _removed_on_signal(partial: _Partial) -> Iterator[None]:
+    """Within the block, SIGTERM, SIGHUP and SIGINT remove ``partial``'s file first, then act
+    as they would have: SIGTERM and SIGHUP end the process (their default action, same exit
+    status), SIGINT raises KeyboardInterrupt.
+
+    The file is removed in the handler itself: an exception raised inside ``torch.save``'s
+    writes does not stop it (torch carries on writing, and fails only at the end). Only
+    signals left at Python's defaults and only in the main thread, where Python runs
+    handlers: a handler of the program's own (the launcher's) is kept. Costs two
+    ``signal.signal`` calls per signal and checkpoint."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    defaults = {
+        sig: handler
+        for sig, handler in (
+            (signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
+            (signal.SIGHUP, signal.getsignal(signal.SIGHUP)),
+            (signal.SIGINT, signal.getsignal(signal.SIGINT)),
+        )
+        if handler in (signal.SIG_DFL, signal.default_int_handler)
+    }
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if partial.signal is None:
+            partial.signal = signum
+        partial.remove()
+        previous = defaults[signal.Signals(signum)]
+        signal.signal(signum, previous)
+        if previous is signal.SIG_DFL:
+            signal.raise_signal(signum)  # ends the process here
+        raise KeyboardInterrupt
+
+    for sig in defaults:
+        signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in defaults.items():
+            signal.signal(sig, handler)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname()) or "host"
+
+
+def _writer() -> str:
+    """The writer's part of a temporary file's name: ``<pid>@<host>``."""
+    return f"{os.getpid()}@{_host()}"
+
+
+#: ``.<target>.<pid>@<host>.<mkstemp's random part>.tmp``, as :func:`save_atomic` names them.
+_PARTIAL = re.compile(r"^\..+\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9_-]+)\.[A-Za-z0-9_]+\.tmp$")
+
+
+def clear_partial_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """Remove the partial files that killed writers on this host left in ``folder``.
+
+    A temporary file of :func:`save_atomic` names its writer; it is removed when that
+    process is gone (or its pid now belongs to a process started after the file was last
+    written). A live writer's file, one of another host, or a name this function did not
+    make, is left alone. Returns what it removed; a folder it cannot read is skipped.
+    """
+    removed: list[Path] = []
+    host = _host()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _PARTIAL.match(entry.name)
+        if match is None or match["host"] != host:
+            continue
+        try:
+            written = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        if _writing(int(match["pid"]), written):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def _writing(pid: int, written: float) -> bool:
+    """Whether process ``pid`` may still be writing a file last written at ``written``."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # alive, another user's
+    try:  # a pid reused by a process that started after the write is not the writer
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return True
+    return started <= written + 1.0
 
 
 class _Recorder:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from cardcage.checkpoint import Run
     from cardcage.contract import Optimization
     from cardcage.decision import Selection
     from cardcage.flags import Flags
@@ -44,6 +45,7 @@ class TrainerProtocol(Protocol):
     global_step: int
     restarts: int
     restart_from: str | None
+    run: Run | None
     batch_idx: int
     epoch_rng: dict[str, Any] | None
     in_epoch: bool

@@ -181,11 +181,22 @@ class RequeueHandler:
 
     # -- start of fit -----------------------------------------------------------------------
 
-    def resume_path(self, requested: str | None, rank: int) -> str | None:
-        """The checkpoint to resume from: this job's requeue checkpoint on a restart."""
+    def resume_path(self, requested: str | None, rank: int, job: str | None = None) -> str | None:
+        """The checkpoint to resume from: this job's requeue checkpoint on a restart.
+
+        ``job``: this fit's cluster job (:func:`cardcage.restarts.cluster_job`); a file that
+        records another (or none: an older cardcage's) is not this job's, whatever its name.
+        """
         if not self.path.exists():
             return requested
         restarts = self.environment.restart_count()
+        if restarts > 0 and job is not None:
+            record = checkpoint.recorded_run(self.path)
+            if not isinstance(record, dict) or record.get("job") != job:
+                if rank == 0:
+                    whose = record if isinstance(record, str) else f"it is {record.get('job')}'s"
+                    say(f"ignoring {self.path}: it names this job id, but {whose}, not {job}'s")
+                return requested
         if restarts > 0:
             self.resumed = True
             return str(self.path)

@@ -10,21 +10,32 @@ Step checkpoints are one file, ``last.ckpt``, under ``default_root_dir`` (or a t
 folder that ``fit`` removes when it returns), written atomically every n optimizer steps:
 a crash mid-write leaves the previous one whole. A process that a cluster restarted (torchrun
 ``--max-restarts``, a SLURM job requeued with ``--requeue``) finds it there by itself.
+
+Every checkpoint records the run that wrote it (:class:`Run`: the ``fit``, and the cluster
+job around it), decided once when ``fit`` starts (:func:`this_run`). A restart resumes only
+from a checkpoint of its own run: ``max_restarts`` from one of this ``fit``, torchrun's and
+SLURM's restarts from one of this job. Another run's ``last.ckpt`` in ``default_root_dir``
+is never loaded implicitly; ``fit`` warns once that it is there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cardcage import checkpoint
+from cardcage.checkpoint import Run as Run
 from cardcage.errors import RankFailedError
 from cardcage.rendezvous import HOSTED_STORE
 
@@ -41,8 +52,103 @@ CHECKPOINT_DIR = "CARDCAGE_CHECKPOINT_DIR"
 RESTART_FROM = "CARDCAGE_RESTART_FROM"
 #: Variables by which a cluster says this process is a restart of the job.
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+#: The ``fit`` a started process belongs to (set by ``fit`` for the processes it starts).
+RUN_ID = "CARDCAGE_RUN_ID"
+#: The folder of the requeue checkpoint (cardcage.requeue; that layer is above this one).
+REQUEUE_DIR = "CARDCAGE_REQUEUE_DIR"
 #: Steps between step checkpoints when ``max_restarts`` asks for them and nothing else is set.
 DEFAULT_EVERY = 100
+
+
+def cluster_job(env: Mapping[str, str]) -> str | None:
+    """The job a cluster restarts as a whole, the same in each of its attempts; None outside
+    one.
+
+    A SLURM job across its requeues: ``SLURM_JOB_ID`` (with the array task). A torchrun job
+    across its restarts: its rendezvous id (``TORCHELASTIC_RUN_ID``: ``--rdzv-id``, a fresh
+    uuid with ``--standalone`` or on one node without ``--master-port``, else ``none``), and
+    on one node the agent that restarts the workers (their parent process), which tells
+    apart two jobs started with the same ``--rdzv-id``.
+    """
+    slurm = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if slurm:
+        array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+        return f"SLURM job {slurm}" + (f" (array {array}_{task})" if array and task else "")
+    rdzv = env.get("TORCHELASTIC_RUN_ID")
+    if rdzv is None:
+        return None
+    if env.get("GROUP_WORLD_SIZE", "1") == "1":
+        return f"torchrun job {rdzv} (agent {os.getppid()} on {socket.gethostname()})"
+    if rdzv in ("", "none"):
+        master = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+        return f"torchrun job none at {master} (no --rdzv-id)"
+    return f"torchrun job {rdzv}"
+
+
+def _whose(record: dict[str, Any] | str) -> str:
+    if isinstance(record, str):
+        return record
+    job = f"{record.get('job')}, " if record.get("job") else ""
+    return f"{job}fit {record.get('fit')}"
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How many times a cluster restarted this job (torchrun's or SLURM's count), 0 if none."""
+    counts = [env.get(name) or "0" for name in RESTART_COUNTS]
+    return max((int(c) for c in counts if c.strip().isdigit()), default=0)
+
+
+def _top_process(env: Mapping[str, str]) -> bool:
+    """This process speaks for the job: not a relaunched child, not a rank other than 0."""
+    return env.get(HOSTED_STORE) != "1" and env.get("RANK", "0") in ("", "0")
+
+
+@contextlib.contextmanager
+def this_run(trainer: Trainer) -> Iterator[Run]:
+    """One ``fit``'s run: decided here, in the process that called ``fit``, before any
+    process starts, and undone when it ends.
+
+    Sets ``trainer.run`` (spawned workers get it with the Trainer) and ``CARDCAGE_RUN_ID``
+    (relaunched scripts, whose own ``fit`` takes it); clears the partial files that crashed
+    writers left in the checkpoint folders; and, when ``default_root_dir`` holds a
+    ``last.ckpt``, decides whether a cluster's restart resumes from it (only from one of
+    this job) or warns, once, that it is another run's and is not used.
+    """
+    env = os.environ
+    inherited = env.get(RUN_ID)
+    run = Run(inherited or uuid.uuid4().hex, cluster_job(env))
+    folder = checkpoint_folder(trainer.flags.default_root_dir, {})
+    for place in (folder, env.get(REQUEUE_DIR)):
+        if place:
+            checkpoint.clear_partial_files(place)
+    last = folder / LAST if folder is not None else None
+    restarted = restart_count(env) > 0
+    wanted = restarted or bool(steps_between_checkpoints(trainer.flags))
+    if last is not None and wanted and os.path.exists(last):
+        record = checkpoint.recorded_run(last)
+        ours = run.job is not None and isinstance(record, dict) and record.get("job") == run.job
+        if restarted and ours:
+            run = dataclasses.replace(run, resume=str(last))
+        elif _top_process(env):
+            log.warning(
+                "cardcage: %s was written by another run (%s); this run does not resume "
+                "from it: a restart resumes only from a checkpoint of its own run.%s To "
+                "continue from it, pass resume_from_checkpoint=%r.",
+                last,
+                _whose(record),
+                " This run's first step checkpoint replaces it."
+                if steps_between_checkpoints(trainer.flags)
+                else "",
+                str(last),
+            )
+    trainer.run = run  # what its checkpoints record; it stays with the Trainer after fit
+    if inherited is None:
+        os.environ[RUN_ID] = run.fit
+    try:
+        yield run
+    finally:
+        if inherited is None:
+            os.environ.pop(RUN_ID, None)
 
 
 def steps_between_checkpoints(flags: Any) -> int:
@@ -61,16 +167,13 @@ def resume_path(trainer: Trainer, env: Mapping[str, str]) -> str | None:
     """The checkpoint a restarted process resumes from, or None for a first start.
 
     A restart by :func:`launch` names it; a process that torchrun or SLURM started again
-    resumes from ``last.ckpt`` under ``default_root_dir`` when there is one.
+    resumes from ``last.ckpt`` under ``default_root_dir`` when its job wrote it (decided
+    when ``fit`` started: :func:`this_run`).
     """
     named = getattr(trainer, "restart_from", None) or env.get(RESTART_FROM)
     if named:
         return str(named)
-    if any(int(env.get(name) or 0) > 0 for name in RESTART_COUNTS):
-        folder = checkpoint_folder(trainer.flags.default_root_dir, {})
-        if folder is not None and (folder / LAST).exists():
-            return str(folder / LAST)
-    return None
+    return trainer.run.resume if trainer.run is not None else None
 
 
 def save_step(trainer: Trainer) -> None:
@@ -138,18 +241,25 @@ def launch(launcher: Launcher, trainer: Trainer) -> Any:
         # A rank that trains in this process changes the model in place: keep its start.
         initial = copy.deepcopy(trainer.model.state_dict()) if allowed else None
         hook = sys.excepthook  # torch wraps it at every init_process_group
-        while True:
-            try:
-                return launcher.launch(trainer)
-            except RankFailedError as error:
-                if trainer.restarts >= allowed:
-                    if allowed:
-                        raise _spent(error, trainer.restarts) from None
-                    raise
-                trainer.restarts += 1
-                launcher.reset()
-                sys.excepthook = hook
-                _prepare_restart(trainer, folder, initial, error)
+        try:
+            while True:
+                try:
+                    return launcher.launch(trainer)
+                except RankFailedError as error:
+                    if trainer.restarts >= allowed:
+                        if allowed:
+                            raise _spent(error, trainer.restarts) from None
+                        raise
+                    trainer.restarts += 1
+                    launcher.reset()
+                    sys.excepthook = hook
+                    if folder is not None:  # what a rank killed mid-write left
+                        checkpoint.clear_partial_files(folder)
+                    _prepare_restart(trainer, folder, initial, error)
+        finally:
+            # The ranks are stopped (or done): a writer killed mid-write left its partial file.
+            if folder is not None:
+                checkpoint.clear_partial_files(folder)
 
 
 def _prepare_restart(
@@ -158,7 +268,7 @@ def _prepare_restart(
     last = folder / LAST if folder is not None else None
     where = "the start"
     _materialize(trainer.model)
-    if last is not None and last.exists():
+    if last is not None and last.exists() and _written_by_this_fit(trainer, last):
         trainer.restart_from = str(last)
         os.environ[RESTART_FROM] = str(last)
         where = str(last)
@@ -176,6 +286,14 @@ def _prepare_restart(
         trainer.flags.max_restarts,
         where,
     )
+
+
+def _written_by_this_fit(trainer: Trainer, last: Path) -> bool:
+    """Whether ``last`` is this ``fit``'s step checkpoint (another run's is never resumed:
+    ``fit`` warned about it when it started)."""
+    record = checkpoint.recorded_run(last)
+    run = trainer.run
+    return run is not None and isinstance(record, dict) and record.get("fit") == run.fit
 
 
 def _materialize(model: Any) -> None:

@@ -69,7 +69,8 @@ def resume(
     """
     path = restarts.resume_path(trainer, os.environ) or trainer.flags.resume_from_checkpoint
     if handler is not None:  # a requeued job resumes from its own checkpoint
-        path = handler.resume_path(path, strategy.global_rank)
+        run = trainer.run
+        path = handler.resume_path(path, strategy.global_rank, run.job if run else None)
     if path is None:
         return None
     with checkpoint.reusing(checked):

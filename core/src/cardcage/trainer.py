@@ -13,7 +13,17 @@ from typing import Any
 
 import torch
 
-from cardcage import agreement, checkpoint, devices, loop, plugins, rendezvous, requeue, resuming
+from cardcage import (
+    agreement,
+    checkpoint,
+    devices,
+    loop,
+    plugins,
+    rendezvous,
+    requeue,
+    restarts,
+    resuming,
+)
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
@@ -124,6 +134,8 @@ class Trainer:
         #: Restarts this fit used (max_restarts); what the next attempt resumes from.
         self.restarts = 0
         self.restart_from: str | None = None
+        #: The run the last fit belongs to, as its checkpoints record it (cardcage.restarts).
+        self.run: checkpoint.Run | None = None
         #: resume_from_checkpoint as fit checked it (and read it), for this process's resume.
         self._checked: checkpoint.Checked | None = None
 
@@ -162,13 +174,15 @@ class Trainer:
                     slurm_managing_tasks=self.selection.cluster == "slurm",
                 )
             # MASTER_ADDR resolves: checked before any process or port exists
-            rendezvous.check_master_address(self.selection, self.accelerator.needs_rendezvous)
+            rendezvous.check_launch(self.selection, self.accelerator.needs_rendezvous)
             hooks = self._hooks()
-            try:
-                hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
-                self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
-            finally:
-                self._checked = None  # a backend that never resumed here: let go of the file
+            # The run its checkpoints record, and which ones a restart may take.
+            with restarts.this_run(self):
+                try:
+                    hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+                    self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
+                finally:
+                    self._checked = None  # a backend that never resumed here: let go of it
         return self.results
 
     def _probe_auto_selected_gpus(self) -> None:
@@ -306,6 +320,7 @@ class Trainer:
             "rng": checkpoint.rng_state(),
             "epoch_rng": self.epoch_rng if self.batch_idx or self.in_epoch else None,
             "rng_after_fetch": self.in_epoch,
+            "run": self.run.record() if self.run is not None else None,
         }
 
     # -- moving between processes (ddp_spawn) -----------------------------------------------
