@@ -174,7 +174,7 @@ class Trainer:
                     slurm_managing_tasks=self.selection.cluster == "slurm",
                 )
             # MASTER_ADDR resolves: checked before any process or port exists
-            rendezvous.check_launch(self.selection, self.accelerator.needs_rendezvous)
+            rendezvous.check_master_address(self.selection, self.accelerator.needs_rendezvous)
             hooks = self._hooks()
             # The run its checkpoints record, and which ones a restart may take.
             with restarts.this_run(self):
