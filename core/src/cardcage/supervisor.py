@@ -6,7 +6,8 @@
 - so does a child that exits with status 0 before it finished the fit this launcher runs
   (each child counts the fits it finished, :func:`~cardcage.failures.fits_finished`): it
   left the job early, and the peers that failed because it was gone are not blamed;
-- SIGINT and SIGTERM to the launcher stop all of its children first;
+- SIGINT, SIGTERM and SIGHUP to the launcher stop all of its children first (a signal the
+  script ignores, ``nohup``'s SIGHUP, stays ignored);
 - children die with their launcher (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the
   launcher leaves nothing behind;
 - a rank that keeps the others waiting is named with its stack, and fails the job after
@@ -42,7 +43,7 @@ STOP_GRACE_S = 3.0
 POLL_S = 0.1
 #: How often the watcher reads the ranks' progress counts.
 WATCH_S = 1.0
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -239,7 +240,8 @@ class Supervisor:
             previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         except ValueError:  # not the main thread
             return None
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
+        caught = [sig for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in caught}
 
         def restore() -> None:
             for sig, handler in previous.items():

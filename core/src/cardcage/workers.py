@@ -25,7 +25,6 @@ import pickle
 import shutil
 import signal
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 
+from cardcage import tempdirs
 from cardcage.checkpoint import set_rng_state
 from cardcage.errors import MisconfigurationError, RankFailedError
 from cardcage.failures import ERROR_FILE, first_recorded, write_error_file
@@ -45,7 +45,7 @@ from cardcage.rendezvous import (
     hosted_store,
     release_store,
 )
-from cardcage.supervisor import Child, Supervisor, set_parent_death_signal
+from cardcage.supervisor import Child, Supervisor, set_parent_death_signal, stop_processes
 from cardcage.watchdog import HEARTBEAT, Watch
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 RESULTS = "results.pt"
 #: The pickled trainer, for workers that read it from the launcher's folder.
 JOB = "job.pickle"
+FOLDER_PREFIX = "cardcage-workers-"  #: + <pid>.<start>@<host>-<random> (cardcage.tempdirs)
 
 
 class WorkerLauncher(Launcher):
@@ -72,7 +73,7 @@ class WorkerLauncher(Launcher):
 
     def launch(self, trainer: Trainer) -> Any:
         payload = self.pickle(trainer)
-        folder = Path(tempfile.mkdtemp(prefix="cardcage-workers-"))
+        folder = tempdirs.make(FOLDER_PREFIX)  # private; a killed launcher's are removed
         # A runner (horovod.run, say) may install SIGINT/SIGTERM handlers of its own to stop
         # its workers; they must not outlive the run.
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -307,7 +308,8 @@ class SpawnLauncher(WorkerLauncher):
         job.write_bytes(payload)
         # Made before the workers start: a worker's loop finds its count there.
         watch = Watch(folder, world_size) if hosted else None
-        children, processes = [], []
+        children: list[Child] = []
+        processes: list[Any] = []
         for local_rank in range(nprocs):
             rank = node_rank * nprocs + local_rank
             rank_env = {
@@ -329,8 +331,7 @@ class SpawnLauncher(WorkerLauncher):
                 args=(rank_env, str(job), str(folder)),
                 name=f"cardcage-rank-{rank}",
             )
-            process.start()
-            processes.append(process)
+            _start(process, processes, rank, nprocs)
             children.append(
                 Child(rank, process.pid or 0, _exitcode(process), folder / f"rank-{rank}.txt")
             )
@@ -360,6 +361,24 @@ class SpawnLauncher(WorkerLauncher):
                 raise failed.error()
         finally:
             release_store()
+
+
+def _start(process: Any, started: list[Any], rank: int, nprocs: int) -> None:
+    """Start rank ``rank``'s worker. When it cannot (a limit on processes or open files),
+    those ``started`` already are stopped at once rather than left waiting for it."""
+    try:
+        process.start()
+    except BaseException as error:
+        stop_processes([p.pid for p in started], [_exitcode(p) for p in started])
+        release_store()
+        if not isinstance(error, Exception):
+            raise  # Ctrl+C while starting them: no worker is left either
+        reason = f"could not be started ({type(error).__name__}: {error}) after {len(started)}"
+        reason += f" of {nprocs} worker(s) had been"
+        if isinstance(error, OSError):
+            reason += " (a limit on processes or open files? lower num_processes or raise it)"
+        raise RankFailedError(rank, None, reason=reason) from error
+    started.append(process)
 
 
 def _exitcode(process: Any) -> Callable[[], int | None]:

@@ -1,0 +1,63 @@
+"""Launchers' temporary folders: private, named after their launcher, and removed by the
+next launcher once theirs is gone (never while it is alive, nor another host's)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from cardcage import tempdirs
+
+PREFIX = "cardcage-workers-"
+
+
+def ended_process() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_folder_is_private_and_names_its_launcher(tmp_path: Path) -> None:
+    folder = tempdirs.make(PREFIX, root=tmp_path)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    pid, start, host = tempdirs.launcher_of(folder.name, PREFIX) or (0, "", "")
+    assert pid == os.getpid() and start.isdigit()
+    assert host == tempdirs._host()
+
+
+def test_only_folders_of_launchers_that_are_gone_are_removed(tmp_path: Path) -> None:
+    host = tempdirs._host()
+    mine = tempdirs.make(PREFIX, root=tmp_path)
+    # A dead launcher's folder, as SIGKILL leaves it, with a file in it.
+    dead = tmp_path / f"{PREFIX}{ended_process()}.1@{host}-abc_123"
+    dead.mkdir()
+    (dead / "job.pickle").write_bytes(b"the model and data")
+    # This process's pid with another start time: the pid was reused, its launcher is gone.
+    reused = tmp_path / f"{PREFIX}{os.getpid()}.1@{host}-def456"
+    reused.mkdir()
+    kept = [
+        mine,
+        tmp_path / f"{PREFIX}{ended_process()}.1@another-host-ghi789",  # another machine's
+        tmp_path / f"{PREFIX}k2j4h5g6",  # a name that does not say whose it is
+        tmp_path / "cardcage-errors-xyz",  # another prefix
+    ]
+    for folder in kept[1:]:
+        folder.mkdir()
+    assert sorted(tempdirs.remove_stale(PREFIX, root=tmp_path)) == sorted([dead, reused])
+    assert sorted(tmp_path.iterdir()) == sorted(kept)
+
+
+def test_making_a_folder_removes_the_stale_ones_first(tmp_path: Path) -> None:
+    dead = tmp_path / f"{PREFIX}{ended_process()}.1@{tempdirs._host()}-abc"
+    dead.mkdir()
+    made = tempdirs.make(PREFIX, root=tmp_path)
+    assert list(tmp_path.iterdir()) == [made]
+
+
+def test_a_host_name_with_dashes_is_read_back_whole() -> None:
+    name = f"{PREFIX}4242.99@node-7.example-a_b1c2"
+    assert tempdirs.launcher_of(name, PREFIX) == (4242, "99", "node-7.example")
