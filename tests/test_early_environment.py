@@ -1,14 +1,18 @@
-"""A rendezvous host that does not resolve fails the job at once, in the process that called
-``fit``, before any process is started (issue 16).
+"""What the job's processes could not survive fails the job at once, in the process that
+called ``fit``, before any process is started: a rendezvous host that does not resolve, a
+``MASTER_PORT`` already in use, a ``CARDCAGE_*`` timeout longer than torch can wait.
 
 Measured before: ``MASTER_ADDR=no-such-host.invalid`` with a two-process ``ddp`` job failed
 after 301 s with "rank 1 never arrived", the DNS cause unnamed, and with ``MASTER_PORT`` too
-it was still running at 330 s. Each job here is a real script in a fresh process; every
-process it starts carries the harness's marker, and a scan of ``/proc`` finds any left.
+it was still running at 330 s; a port in use failed with ``EADDRINUSE`` from a worker, 5-8 s
+in; ``CARDCAGE_TIMEOUT=1e10`` started the workers, which timed out at once. Each job here is
+a real script in a fresh process; every process it starts carries the harness's marker, and
+a scan of ``/proc`` finds any left.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +105,57 @@ def test_an_unresolvable_master_addr_fails_before_any_process_starts(
     assert "Set MASTER_ADDR" in stderr
     assert took < DEADLINE
     assert len(starts) == 1, f"processes started besides the launcher: {starts}"
+    harness.assert_no_leftovers()
+
+
+@pytest.mark.parametrize("backend", ["ddp", "ddp_spawn"])
+def test_a_master_port_in_use_fails_before_any_process_starts(
+    harness: kit_harness.Harness, tmp_path: Path, backend: str
+) -> None:
+    # Another job's store holds the port (a listening socket on 127.0.0.1, as one is).
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        run, took, starts = run_job(harness, tmp_path, backend, MASTER_PORT=port)
+    assert run.popen.returncode != 0, run.output()
+    assert "MisconfigurationError" in run.stderr, run.output()
+    assert f"MASTER_PORT={port} is already in use" in run.stderr, run.output()
+    assert "Unset MASTER_PORT" in run.stderr
+    assert took < DEADLINE
+    assert len(starts) == 1, f"processes started besides the launcher: {starts}"
+    harness.assert_no_leftovers()
+
+
+@pytest.mark.parametrize("value", ["1e10", "1e308"])
+@pytest.mark.parametrize("variable", ["CARDCAGE_TIMEOUT", "CARDCAGE_INIT_TIMEOUT"])
+def test_a_timeout_longer_than_torch_can_wait_fails_before_any_process_starts(
+    harness: kit_harness.Harness, tmp_path: Path, variable: str, value: str
+) -> None:
+    # 1e10 passed the check and every wait timed out at once ("Timed out waiting
+    # 10000000030000ms"); 1e308 raised OverflowError from a rank or the store.
+    run, took, starts = run_job(harness, tmp_path, "ddp_spawn", **{variable: value})
+    assert run.popen.returncode != 0, run.output()
+    assert "MisconfigurationError" in run.stderr, run.output()
+    assert f"{variable}={value!r} is longer than torch can wait" in run.stderr, run.output()
+    assert "the largest value that works is 1000000000 seconds" in run.stderr
+    assert "OverflowError" not in run.stderr and "Timed out" not in run.stderr
+    assert took < DEADLINE
+    assert len(starts) == 1, f"processes started besides the launcher: {starts}"
+    harness.assert_no_leftovers()
+
+
+def test_the_longest_timeouts_train(harness: kit_harness.Harness, tmp_path: Path) -> None:
+    # The bound is one that works: both timeouts at it, the job trains and exits 0.
+    script = tmp_path / "early_job.py"
+    script.write_text(SCRIPT)
+    starts = tmp_path / "starts.txt"
+    longest = {"CARDCAGE_TIMEOUT": "1e9", "CARDCAGE_INIT_TIMEOUT": "1e9"}
+    run = harness.start(
+        [kit_harness.PYTHON, str(script), "ddp_spawn"],
+        harness.env(EARLY_STARTS=str(starts), **longest),
+    )
+    run.check(timeout=kit_harness.RUN_TIMEOUT)
+    assert "TRAINED ddp_spawn" in run.stdout
+    assert len(starts.read_text().splitlines()) == 3  # the launcher and two workers
     harness.assert_no_leftovers()
 
 

@@ -1,4 +1,5 @@
-"""A single-node job lets no one in: every socket it listens on is bound to loopback."""
+"""A single-node job lets no one in: every socket it listens on is bound to loopback; and
+whatever loopback address ``MASTER_ADDR`` names, its ranks meet there and train."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import PYTHON, SCRIPTS
+from cardcage import rendezvous
+
+from .conftest import PYTHON, SCRIPTS, Harness
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net")
 
@@ -92,3 +95,44 @@ def test_a_single_node_job_listens_on_loopback_only(backend: str, tmp_path: Path
     assert len(sockets) >= 2, sockets
     exposed = [s for s in sockets if not ipaddress.ip_address(s[0]).is_loopback]
     assert not exposed, f"{backend} listens beyond loopback: {exposed} (all: {sockets})"
+
+
+#: Seconds the ranks may take to meet: a job whose store is not where its ranks dial fails
+#: after this (it hung for the whole default of 300 s), well inside the run's deadline.
+JOIN_S = "30"
+
+
+@pytest.mark.parametrize(
+    ("backend", "address"),
+    [
+        ("ddp_spawn", "::1"),
+        ("ddp", "::1"),
+        ("ddp_spawn", "127.0.0.2"),
+        ("ddp", "127.0.0.2"),
+        ("ddp_spawn", "::"),
+    ],
+)
+def test_a_loopback_master_addr_without_a_port_trains(
+    harness: Harness, tmp_path: Path, backend: str, address: str
+) -> None:
+    # The store the launcher hosts listened on 127.0.0.1 while the ranks dialled MASTER_ADDR:
+    # "rank 0 never arrived" after CARDCAGE_INIT_TIMEOUT. It listens where they dial now (a
+    # wildcard such as :: meets on the loopback address of its family), and the job trains to
+    # the weights of one process at the double batch.
+    if ":" in address:
+        unusable = rendezvous.bind_error("::1")
+        if unusable is not None:
+            pytest.skip(f"IPv6 loopback is not usable here: binding ::1 fails ({unusable})")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = harness.env(MASTER_ADDR=address, CARDCAGE_INIT_TIMEOUT=JOIN_S)
+    harness.python_job(
+        out, "--backend", backend, "--num-processes", "2", "--batch-size", "8", env=env
+    ).check()
+    results = harness.results(out)
+    assert results, "no rank reported a result"
+    reference = harness.reference(16)
+    for result in results.values():
+        assert result["accelerator"] == backend
+        assert result["weights"] == pytest.approx(reference, abs=1e-5)
+    harness.assert_no_leftovers()

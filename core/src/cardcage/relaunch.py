@@ -16,7 +16,13 @@ from pathlib import Path
 
 from cardcage.errors import MisconfigurationError
 from cardcage.failures import ERROR_FILE
-from cardcage.rendezvous import HOSTED_STORE, host_store, hosted_store, release_store
+from cardcage.rendezvous import (
+    HOSTED_STORE,
+    host_store,
+    hosted_store,
+    meeting_address,
+    release_store,
+)
 from cardcage.supervisor import Child, Supervisor, set_parent_death_signal
 from cardcage.watchdog import HEARTBEAT, Watch
 
@@ -94,7 +100,8 @@ def relaunch_script(
                 f"num_nodes={num_nodes} launched by hand needs MASTER_PORT (and MASTER_ADDR) "
                 "set to the same values on every node. Set them, or launch with torchrun/srun."
             )
-        store = host_store(world_size)
+        master_address = meeting_address(master_address)  # a loopback address: ranks dial it
+        store = host_store(world_size, master_address)
         master_port = int(store.port)
         env[HOSTED_STORE] = "1"
     errors = Path(tempfile.mkdtemp(prefix="cardcage-errors-"))

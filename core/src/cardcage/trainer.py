@@ -173,8 +173,8 @@ class Trainer:
                     self.selection.gpu_ids,
                     slurm_managing_tasks=self.selection.cluster == "slurm",
                 )
-            # MASTER_ADDR resolves: checked before any process or port exists
-            rendezvous.check_master_address(self.selection, self.accelerator.needs_rendezvous)
+            # MASTER_ADDR, MASTER_PORT, the process count: checked before any process or port
+            rendezvous.check_launch(self.selection, self.accelerator.needs_rendezvous)
             hooks = self._hooks()
             # The run its checkpoints record, and which ones a restart may take.
             with restarts.this_run(self):

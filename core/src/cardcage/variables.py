@@ -81,9 +81,20 @@ FALSE_WORDS = ("0", "false", "no", "off")
 REQUEUE_OFF = ("", "0", "none", "off", "no", "false")
 
 
+#: The longest duration a ``CARDCAGE_*`` variable may hold, in seconds (about 31 years).
+#: torch's gloo process group and TCPStore turn a timeout into a deadline of now + timeout
+#: in int64 nanoseconds since 1970; past that (measured: 7.4e9 s in 2026, 7.5e9 s fails)
+#: the deadline overflows and every wait times out at once ("Timed out waiting
+#: 10000000030000ms" for 1e10), and ``timedelta`` itself refuses 1e308 (OverflowError).
+#: Python's thread waits stop at ``threading.TIMEOUT_MAX`` (9.2e9 s). 1e9 s is under all of
+#: them with room to spare (the collective timeout adds 30 s; the overflow nears as the
+#: clock advances: 1e9 s fits until the year 2230).
+MAX_SECONDS = 1e9
+
+
 def seconds(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
-    """The positive, finite number of seconds the variable ``name`` holds (``default``
-    when unset or empty) in ``env`` (default: ``os.environ``)."""
+    """The positive, finite number of seconds, at most :data:`MAX_SECONDS`, the variable
+    ``name`` holds (``default`` when unset or empty) in ``env`` (default: ``os.environ``)."""
     raw = (os.environ if env is None else env).get(name, "").strip()
     if not raw:
         return default
@@ -95,6 +106,14 @@ def seconds(name: str, default: float, env: Mapping[str, str] | None = None) -> 
         raise MisconfigurationError(
             f"environment variable {name}={raw!r} is not a positive number of seconds. "
             f"Set it to one (for example {name}={default:g}, the default), or unset it."
+        )
+    if value > MAX_SECONDS:
+        raise MisconfigurationError(
+            f"environment variable {name}={raw!r} is longer than torch can wait: the largest "
+            f"value that works is {MAX_SECONDS:.0f} seconds (about 31 years). Beyond about "
+            "7.4e9 s, torch's gloo and TCPStore deadlines (now + the timeout, in nanoseconds) "
+            "overflow and every wait times out at once; 1e308 overflows timedelta. Set "
+            f"{name} to at most {MAX_SECONDS:.0f}, or unset it (default {default:g})."
         )
     return value
 

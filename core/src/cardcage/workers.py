@@ -43,6 +43,7 @@ from cardcage.rendezvous import (
     HOSTED_STORE,
     host_store,
     hosted_store,
+    meeting_address,
     release_store,
 )
 from cardcage.supervisor import Child, Supervisor, set_parent_death_signal, stop_processes
@@ -292,6 +293,7 @@ class SpawnLauncher(WorkerLauncher):
         )
         world_size = nprocs * num_nodes
         master_port = selection.master_port
+        address = selection.master_address or DEFAULT_ADDRESS
         hosted = master_port is None
         if hosted:
             if num_nodes > 1:
@@ -299,7 +301,9 @@ class SpawnLauncher(WorkerLauncher):
                     f"num_nodes={num_nodes} launched by hand needs MASTER_PORT (and MASTER_ADDR) "
                     "set to the same values on every node."
                 )
-            master_port = int(host_store(world_size).port)
+            # where the ranks dial MASTER_ADDR: a loopback address (rendezvous.meeting_address)
+            address = meeting_address(address)
+            master_port = int(host_store(world_size, address).port)
         context = multiprocessing.get_context("spawn")
         # The job goes by file, not through the Process arguments: those are written to the
         # child's pipe, which blocks start() until the child has imported torch and read
@@ -313,7 +317,7 @@ class SpawnLauncher(WorkerLauncher):
         for local_rank in range(nprocs):
             rank = node_rank * nprocs + local_rank
             rank_env = {
-                "MASTER_ADDR": selection.master_address or DEFAULT_ADDRESS,
+                "MASTER_ADDR": address,
                 "MASTER_PORT": str(master_port),
                 "WORLD_SIZE": str(world_size),
                 "RANK": str(rank),
