@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage import checkpoint
+from cardcage import checkpoint, restarts
 
 BATCHES_PER_EPOCH = 8
 
@@ -502,3 +503,87 @@ def test_partial_files_of_killed_writers_are_cleared_when_fit_starts(tmp_path: P
     finally:
         live.kill()
         live.wait(timeout=60)
+
+
+# -- the run a checkpoint records -------------------------------------------------------------
+
+
+def torchrun_attempt(monkeypatch: pytest.MonkeyPatch, job: str, attempt: int) -> None:
+    """This process as attempt ``attempt`` of a one-process torchrun job ``job``."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        monkeypatch.setenv(name, "1" if "WORLD" in name else "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+
+
+def first_steps(root: Path, **flags: Any) -> list[int]:
+    """Fit to global step 6 with ``default_root_dir=root``; the global steps it trained
+    (a resume from step 4 trains [4, 5])."""
+    trainer = cardcage.Trainer(
+        default_root_dir=root, max_steps=6, max_epochs=2, progress_bar=False, **flags
+    )
+    model = fresh_model()
+    steps: list[int] = []
+    model.on_step = lambda batch_idx: steps.append(trainer.global_step)
+    trainer.fit(model, loader())
+    return steps
+
+
+def test_a_cluster_restart_resumes_only_from_its_own_jobs_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted torchrun attempt resumes from ``last.ckpt`` only when its own job wrote
+    it; one of another job, or one that records no run (an older cardcage's), is not loaded,
+    and fit says once whose it is. ``resume_from_checkpoint`` still loads any of them."""
+    last = tmp_path / "last.ckpt"
+    torchrun_attempt(monkeypatch, "job-1", 0)
+    first_steps(tmp_path, checkpoint_every_n_steps=4)  # job-1 leaves last.ckpt at step 4
+    recorded = checkpoint.load(last)["run"]
+    assert recorded["job"].startswith("torchrun job job-1 (agent ") and recorded["fit"]
+
+    torchrun_attempt(monkeypatch, "job-1", 1)
+    assert first_steps(tmp_path) == [4, 5]  # its own job's: resumed
+
+    torchrun_attempt(monkeypatch, "job-2", 1)
+    caplog.clear()
+    assert first_steps(tmp_path) == list(range(6))  # another job's: started afresh
+    warnings = [r.getMessage() for r in caplog.records if "another run" in r.getMessage()]
+    assert len(warnings) == 1
+    assert f"{last} was written by another run (torchrun job job-1 (agent " in warnings[0]
+    assert f"resume_from_checkpoint={str(last)!r}" in warnings[0]
+
+    state = checkpoint.load(last)
+    del state["run"]  # as an earlier cardcage wrote it
+    checkpoint.save_atomic(state, last)
+    torchrun_attempt(monkeypatch, "job-1", 1)
+    caplog.clear()
+    assert first_steps(tmp_path) == list(range(6))
+    assert "it records no run" in caplog.text
+
+    assert first_steps(tmp_path, resume_from_checkpoint=last) == [4, 5]
+
+
+@pytest.mark.parametrize(
+    ("env", "job"),
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "77"}, "SLURM job 77"),
+        (
+            {"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"},
+            "SLURM job 78 (array 70_3)",
+        ),
+        ({"TORCHELASTIC_RUN_ID": "r1", "GROUP_WORLD_SIZE": "2"}, "torchrun job r1"),
+        (
+            {"TORCHELASTIC_RUN_ID": "none", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "n0"}
+            | {"MASTER_PORT": "29500"},
+            "torchrun job none at n0:29500 (no --rdzv-id)",
+        ),
+    ],
+)
+def test_the_job_a_checkpoint_records(env: dict[str, str], job: str | None) -> None:
+    """A SLURM job is its id (with the array task); a torchrun job of several nodes its
+    ``--rdzv-id`` (``none`` without one: then its master's address); one node adds the
+    agent that restarts its workers (two jobs given the same ``--rdzv-id`` differ)."""
+    assert restarts.cluster_job(env) == job
+    one_node = restarts.cluster_job({"TORCHELASTIC_RUN_ID": "r1", "GROUP_WORLD_SIZE": "1"})
+    assert one_node == f"torchrun job r1 (agent {os.getppid()} on {socket.gethostname()})"

@@ -75,8 +75,11 @@ def recorded_run(path: str | os.PathLike[str]) -> dict[str, Any] | str:
         target = target / LOOP_FILE
     try:
         state = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:
-        return f"it cannot be read: {type(error).__name__}: {str(error)[:200]}"
+    except Exception:
+        try:  # a file system without mmap: read it whole
+            state = torch.load(target, map_location="cpu", weights_only=True)
+        except Exception as error:
+            return f"it cannot be read: {type(error).__name__}: {str(error)[:200]}"
     run = state.get("run") if isinstance(state, dict) else None
     if not isinstance(run, dict):
         return "it records no run: an earlier cardcage, or another program, wrote it"
