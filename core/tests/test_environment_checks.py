@@ -140,6 +140,28 @@ def test_a_bad_init_timeout_is_refused_by_the_trainer(
         cardcage.Trainer(distributed_backend="ddp_spawn", num_processes=2)
 
 
+@pytest.mark.parametrize("value", ["1e10", "1e308"])
+@pytest.mark.parametrize(
+    "name", ["CARDCAGE_TIMEOUT", "CARDCAGE_INIT_TIMEOUT", "CARDCAGE_STUCK_WARN"]
+)
+def test_a_duration_longer_than_torch_can_wait_is_refused_with_the_largest_that_works(
+    cuda_count_0: int, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    # 1e10 passed and the job's waits timed out at once; 1e308 raised OverflowError from a
+    # rank. Refused by select (so by `cardcage explain`) and the Trainer, naming the bound.
+    with pytest.raises(MisconfigurationError) as error:
+        select(env={name: value}, distributed_backend="ddp_spawn", num_processes=2)
+    message = str(error.value)
+    assert f"{name}={value!r} is longer than torch can wait" in message
+    assert "the largest value that works is 1000000000 seconds" in message
+    assert f"Set {name} to at most 1000000000" in message
+    monkeypatch.setenv(name, value)
+    with pytest.raises(MisconfigurationError, match=f"{name}='{value}'"):
+        cardcage.Trainer(distributed_backend="ddp_spawn", num_processes=2)
+    monkeypatch.setenv(name, str(variables.MAX_SECONDS))  # the bound itself is accepted
+    cardcage.Trainer(distributed_backend="ddp_spawn", num_processes=2)
+
+
 def test_every_user_facing_variable_is_checked(tmp_path: Path) -> None:
     good = {
         "CARDCAGE_INIT_TIMEOUT": "30",
@@ -348,3 +370,73 @@ def test_a_resolver_that_does_not_answer_is_given_up_on(monkeypatch: pytest.Monk
         never.set()
     assert said == "the resolver gave no answer within 0.2s"
     assert "slow.example" not in rendezvous._resolved
+
+
+# --- where a single-node job meets, and its port ---------------------------------------------
+
+#: TEST-NET-1 (RFC 5737): never this machine's own. Only bound to, never sent a packet.
+NOT_HERE = "192.0.2.1"
+
+
+@pytest.mark.parametrize(
+    ("address", "meets"),
+    [
+        ("127.0.0.1", "127.0.0.1"),
+        ("127.0.0.2", "127.0.0.2"),
+        ("localhost", "127.0.0.1"),
+        ("0.0.0.0", "127.0.0.1"),
+        ("::1", "::1"),
+        ("::", "::1"),
+    ],
+)
+def test_a_single_node_job_meets_on_loopback(address: str, meets: str) -> None:
+    # A loopback address is used as it is; a wildcard meets on its family's loopback address.
+    if ":" in meets and rendezvous.bind_error("::1") is not None:
+        pytest.skip(f"IPv6 loopback is not usable here: {rendezvous.bind_error('::1')}")
+    assert rendezvous.meeting_address(address) == meets
+
+
+def test_an_address_this_machine_does_not_have_is_refused_for_a_single_node_job(
+    cuda_count_0: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its ranks would dial another machine and wait there until CARDCAGE_INIT_TIMEOUT.
+    monkeypatch.setenv("MASTER_ADDR", NOT_HERE)
+    selection = select(distributed_backend="ddp_spawn", num_processes=2)
+    with pytest.raises(MisconfigurationError) as error:
+        rendezvous.check_launch(selection, needs_rendezvous=True)
+    message = str(error.value)
+    assert f"MASTER_ADDR={NOT_HERE!r} is not an address of this machine" in message
+    assert "Cannot assign requested address" in message  # what binding to it said
+    assert "Unset MASTER_ADDR" in message and "num_nodes" in message
+    # node 1 of a job of two nodes dials node 0: another machine, as it should be
+    node1 = select(
+        env={"MASTER_ADDR": NOT_HERE, "MASTER_PORT": "29500", "NODE_RANK": "1"},
+        distributed_backend="ddp_spawn",
+        num_processes=2,
+        num_nodes=2,
+    )
+    rendezvous.check_launch(node1, needs_rendezvous=True)
+
+
+def test_a_master_port_in_use_is_refused_where_this_job_would_listen(cuda_count_0: int) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        here = select(env={"MASTER_PORT": port}, distributed_backend="ddp", num_processes=2)
+        with pytest.raises(MisconfigurationError) as error:
+            rendezvous.check_launch(here, needs_rendezvous=True)
+        assert f"MASTER_PORT={port} is already in use" in str(error.value)
+        assert "Address already in use (errno 98)" in str(error.value)
+        # torchrun's ranks: the port is its agent's store, listening already
+        torchrun = {"MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+        rendezvous.check_launch(
+            select(env=torchrun, distributed_backend="ddp", num_processes=2),
+            needs_rendezvous=True,
+        )
+        # node 1 of two: rank 0 listens on node 0, not here
+        node1 = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": "1"}
+        rendezvous.check_launch(
+            select(env=node1, distributed_backend="ddp", num_processes=2, num_nodes=2),
+            needs_rendezvous=True,
+        )
+    free = select(env={"MASTER_PORT": port}, distributed_backend="ddp", num_processes=2)
+    rendezvous.check_launch(free, needs_rendezvous=True)  # the port is free again

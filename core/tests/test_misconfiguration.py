@@ -190,6 +190,17 @@ CASES = {
     ),
     "CARDCAGE_TIMEOUT='soon'": bad("CARDCAGE_TIMEOUT='soon'", env={"CARDCAGE_TIMEOUT": "soon"}),
     "CARDCAGE_STUCK_WARN=inf": bad("CARDCAGE_STUCK_WARN='inf'", env={"CARDCAGE_STUCK_WARN": "inf"}),
+    "CARDCAGE_TIMEOUT=1e10": bad(
+        "CARDCAGE_TIMEOUT='1e10'", "at most 1000000000", env={"CARDCAGE_TIMEOUT": "1e10"}
+    ),
+    "CARDCAGE_INIT_TIMEOUT=1e308": bad(
+        "CARDCAGE_INIT_TIMEOUT='1e308'",
+        "at most 1000000000",
+        env={"CARDCAGE_INIT_TIMEOUT": "1e308"},
+    ),
+    "CARDCAGE_STUCK_WARN=1e10": bad(
+        "CARDCAGE_STUCK_WARN='1e10'", "at most 1000000000", env={"CARDCAGE_STUCK_WARN": "1e10"}
+    ),
     "CARDCAGE_REQUEUE_SIGNAL='USR9'": bad(
         "CARDCAGE_REQUEUE_SIGNAL='USR9'", env={"CARDCAGE_REQUEUE_SIGNAL": "USR9"}
     ),
