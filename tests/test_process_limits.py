@@ -29,7 +29,8 @@ class Tiny(torch.nn.Module):
         self.layer = torch.nn.Linear(2, 1)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.layer(batch[0]).pow(2).mean()
+        loss: torch.Tensor = self.layer(batch[0]).pow(2).mean()
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
