@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from cardcage import relaunch
+from cardcage import relaunch, rendezvous
 
 __all__ = ["Snapshot", "as_found"]
 
@@ -125,6 +125,8 @@ class Snapshot:
     threading_excepthook: Any
     handlers: dict[int, Any]
     group: bool
+    #: Whether this process hosted a rendezvous store (a relaunched job's, still alive).
+    hosting: bool
     #: What :meth:`restore` could not put back, and why (logged).
     failed: list[str] = field(default_factory=list)
 
@@ -137,6 +139,7 @@ class Snapshot:
             threading_excepthook=threading.excepthook,
             handlers=_handlers(),
             group=_group_initialized(),
+            hosting=rendezvous.hosted_store() is not None,
         )
 
     def restore(self, *, returned: bool, outside: bool) -> None:
@@ -149,8 +152,6 @@ class Snapshot:
         # This process is rank 0 of relaunched processes that run on after the fit.
         job_lives = returned and supervisor is not None and bool(supervisor.children)
         ended = supervisor is not None and not job_lives  # its ranks were stopped, or none
-        if ended:
-            self._step("the relaunched job", relaunch.forget)
         keep_group = job_lives or (outside and not ended)
         if _group_initialized() and not keep_group and (not self.group or ended):
             self._step("the process group", _destroy_group)
@@ -159,6 +160,10 @@ class Snapshot:
         threading.excepthook = self.threading_excepthook
         if not job_lives:
             self._step("the environment", self._restore_environ)
+        if ended:  # after the environment: an earlier fit's relaunch set some of it
+            self._step("the relaunched job", relaunch.forget)
+        if not job_lives and not self.hosting and rendezvous.hosted_store() is not None:
+            rendezvous.release_store()  # a launcher that failed before letting go of it
         for name, (read, write) in _torch_settings().items():
             if name in self.torch and read() != self.torch[name]:
                 self._step(f"torch's {name}", write, self.torch[name])
