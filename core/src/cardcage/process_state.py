@@ -66,6 +66,16 @@ def _set_grad_enabled(value: bool) -> None:
     torch.set_grad_enabled(value)  # a context manager that also sets the mode at once
 
 
+def _cuda_device() -> int | None:
+    """The current CUDA device; ``None`` before CUDA started here (read without starting it)."""
+    started = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return torch.cuda.current_device() if started else None
+
+
+def _set_cuda_device(device: int | None) -> None:
+    torch.cuda.set_device(0 if device is None else device)  # None: CUDA's default, device 0
+
+
 def _set_default_device(device: Any) -> None:
     # The CPU is torch's default: no device context then (setting "cpu" would add one).
     torch.set_default_device(None if torch.device(device).type == "cpu" else device)
@@ -90,6 +100,7 @@ def _torch_settings() -> dict[str, tuple[Callable[[], Any], Callable[[Any], None
         "grad_enabled": (torch.is_grad_enabled, _set_grad_enabled),
         "anomaly": (_anomaly, _set_anomaly),
         "cuda.matmul.allow_tf32": _attribute(matmul, "allow_tf32"),
+        "cuda.current_device": (_cuda_device, _set_cuda_device),  # set_device of a GPU fit
     }
     for name in ("enabled", "benchmark", "deterministic", "allow_tf32"):
         settings[f"cudnn.{name}"] = _attribute(cudnn, name)
