@@ -11,13 +11,15 @@ the fit and, when it returns or fails, puts back whatever changed, destroys the 
 group the fit created, and forgets the job the fit hosted (its rendezvous store, its
 supervisor).
 
-What belongs to a job that outlives the fit stays. A script whose fit relaunched it as local
-rank 0 of several processes (``ddp``) remains rank 0 of that job until it ends, as the
-relaunched ranks running the same script do: its job's variables, its process group (with
-torch's excepthook) and its supervisor stay, and a later fit of the script joins the same
-processes. In processes a cluster made (torchrun, srun, a relaunched rank) the process group
-is the job's and stays too. Everything else is restored there as well. The random state is
-not: a fit draws from it as a plain training loop would.
+What belongs to a job that outlives the fit stays. After a fit that returned in a rank of a
+job of several processes (a script whose fit relaunched it as local rank 0 of ``ddp``, a
+node of a multi-node job started by hand, a rank torchrun or srun started), the other ranks
+run on through the same script, and its later fits join the same processes: the job's
+variables, process group (with torch's excepthook) and relaunched processes stay until the
+script ends, as they do in every rank. In processes a cluster made the process group is the
+job's and stays after a failure too. Everything else is restored there as well. After a
+failure elsewhere the job is over: all of it goes. The random state is not restored: a fit
+draws from it as a plain training loop would.
 """
 
 from __future__ import annotations
@@ -115,6 +117,12 @@ def _group_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if _group_initialized() else 0
+
+
 def _handlers() -> dict[int, Any]:
     """The Python-level handler of every signal (``None``: not set from Python)."""
     found = {}
@@ -160,8 +168,8 @@ class Snapshot:
         relaunching script) made this process, so its process group is the job's.
         """
         supervisor = relaunch.current_supervisor()
-        # This process is rank 0 of relaunched processes that run on after the fit.
-        job_lives = returned and supervisor is not None and bool(supervisor.children)
+        # This process is a rank of a job of several processes, which run on after the fit.
+        job_lives = returned and _group_size() > 1
         ended = supervisor is not None and not job_lives  # its ranks were stopped, or none
         keep_group = job_lives or (outside and not ended)
         if _group_initialized() and not keep_group and (not self.group or ended):
