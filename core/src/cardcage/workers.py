@@ -386,11 +386,7 @@ def _start(process: Any, started: list[Any], rank: int, nprocs: int) -> None:
 
 
 def _exitcode(process: Any) -> Callable[[], int | None]:
-    def poll() -> int | None:
-        code: int | None = process.exitcode
-        return code
-
-    return poll
+    return lambda: process.exitcode  # its exit status once it ended (and reaped), or None
 
 
 def _spawned(rank_env: dict[str, str], job: str, folder: str) -> NoReturn:
