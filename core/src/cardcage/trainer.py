@@ -13,17 +13,7 @@ from typing import Any
 
 import torch
 
-from cardcage import (
-    agreement,
-    checkpoint,
-    devices,
-    loop,
-    plugins,
-    rendezvous,
-    requeue,
-    restarts,
-    resuming,
-)
+from cardcage import agreement, checkpoint, devices, loop, plugins, rendezvous, requeue, resuming
 from cardcage._version import __version__
 from cardcage.accelerator import Accelerator
 from cardcage.contract import Optimization, check_model, configure_optimizers
@@ -31,6 +21,7 @@ from cardcage.errors import MisconfigurationError
 from cardcage.failures import record_fit_finished
 from cardcage.process_state import as_found
 from cardcage.progress import ProgressBar
+from cardcage.restarts import this_run
 from cardcage.resume_checks import OPTIMIZER_TYPES
 from cardcage.selection import Selection, probe_pending_gpus, select
 from cardcage.strategy import Strategy
@@ -38,9 +29,7 @@ from cardcage.watchdog import attach as attach_heart
 
 
 def _loaders(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 class Trainer:
@@ -127,8 +116,7 @@ class Trainer:
         self.stop_at_step = agreement.NEVER
         self._requeue: requeue.RequeueHandler | None = None
         self._prepared = False
-        #: The last state a worker handed back (a checkpoint): what save_checkpoint writes in
-        #: a caller that did not train itself.
+        #: What workers handed back (a checkpoint): save_checkpoint writes it in the caller.
         self._handed_back: dict[str, Any] | None = None
         self.results: Any = None
         #: Restarts this fit used (max_restarts); what the next attempt resumes from.
@@ -177,7 +165,7 @@ class Trainer:
             rendezvous.check_launch(self.selection, self.accelerator.needs_rendezvous)
             hooks = self._hooks()
             # The run its checkpoints record, and which ones a restart may take.
-            with restarts.this_run(self):
+            with this_run(self):
                 try:
                     hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
                     self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
@@ -330,14 +318,11 @@ class Trainer:
         state["_registry"] = None  # pluggy's manager stays behind; attach() reloads it
         state["_requeue"] = None  # threads and a signal handler belong to one process
         state["_handed_back"] = None  # workers train, and so hold their own state
-        # Workers read the checkpoint themselves; this process, which hands them the job,
-        # will not resume from it: let go of what fit read.
+        # Workers read the checkpoint themselves; this process will not: let go of it.
         state["_checked"] = self._checked = None
         state["progress"] = ProgressBar(False)
         state["caller_rng"] = checkpoint.rng_state()  # workers draw as the script would
-        selection = self.selection
-        if selection.environment is not None:
-            selection = dataclasses.replace(selection, environment=None)
+        selection = dataclasses.replace(self.selection, environment=None)
         state["selection"] = selection
         accelerator = copy.copy(self.accelerator)
         accelerator.selection = selection
