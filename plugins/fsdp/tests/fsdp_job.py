@@ -125,6 +125,16 @@ def main(scenario: str, out: Path, processes: int) -> dict[str, Any]:
             "weights": weights(model),
             "fp32": weights(full),
         }
+    if scenario == "save_alone":  # one process: save after fit, once its group is gone
+        resumed_from = {}
+        for state_dict in ("full", "sharded"):
+            os.environ["CARDCAGE_FSDP_STATE_DICT"] = state_dict  # read when a Trainer is made
+            path = out / f"alone-{state_dict}.ckpt"
+            fit(net(), 1, max_steps=4).save_checkpoint(path)
+            resumed = net(seed=11)
+            fit(resumed, 1, max_steps=10, resume_from_checkpoint=str(path))
+            resumed_from[state_dict] = weights(resumed)
+        return resumed_from
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 

@@ -131,7 +131,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     harness = Harness(tmp_path_factory.mktemp("fsdp"))
     out = harness.root / "out"
     out.mkdir()
-    results = {name: run(harness, name, out) for name in ("sharded", "resume_alone", "reference")}
+    names = ("sharded", "resume_alone", "reference", "save_alone")
+    results = {name: run(harness, name, out) for name in names}
     assert not harness.cleanup(), "processes left behind"
     return results
 
@@ -180,6 +181,14 @@ def test_a_sharded_checkpoint_is_a_folder_of_shards(jobs: Any) -> None:
 
 def test_a_sharded_checkpoint_of_two_ranks_resumes_on_one(jobs: Any) -> None:
     assert close(jobs["resume_alone"]["resumed"], jobs["sharded"]["weights"]) < 1e-6
+
+
+@pytest.mark.parametrize("state_dict", ["full", "sharded"])
+def test_one_process_saves_after_fit_and_resumes_exactly(jobs: Any, state_dict: str) -> None:
+    """A fit of one process trains in the caller, and leaves it without the process group it
+    joined; save_checkpoint afterwards still writes the state, and a run resumed from it
+    reaches the plain loop's weights."""
+    assert close(jobs["save_alone"][state_dict], jobs["reference"]["weights"]) < 1e-5
 
 
 def test_bf16_trains_with_fp32_weights(tmp_path: Path) -> None:
