@@ -168,12 +168,27 @@ def test_precision_64_on_the_gpu() -> None:
     assert all(seen[1] == torch.float64 for seen in model.seen)
 
 
+class RecordsBenchmark(Classifier):
+    """Records the cudnn flag each training step runs with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.benchmarks: set[bool] = set()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.benchmarks.add(torch.backends.cudnn.benchmark)
+        return super().training_step(batch, batch_idx)
+
+
 @pytest.mark.gpu
-def test_benchmark_sets_cudnn_benchmark() -> None:
-    fit(seeded(), loader(), gpus=1)
-    assert torch.backends.cudnn.benchmark is False
-    fit(seeded(), loader(), gpus=1, benchmark=True)
-    assert torch.backends.cudnn.benchmark is True
+def test_benchmark_is_on_while_training_and_the_caller_gets_its_value_back() -> None:
+    model = seeded(RecordsBenchmark)
+    fit(model, loader(), gpus=1)
+    assert model.benchmarks == {False}
+    model = seeded(RecordsBenchmark)
+    fit(model, loader(), gpus=1, benchmark=True)
+    assert model.benchmarks == {True}
+    assert torch.backends.cudnn.benchmark is False  # the fit put the caller's value back
 
 
 # -- dp ---------------------------------------------------------------------------------------

@@ -151,8 +151,6 @@ class Trainer:
         self.train_dataloader = train_dataloader
         self.val_dataloaders = _loaders(val_dataloaders)
         with as_found(self):  # the process as it was, after a fit that returns or fails
-            if self.flags.benchmark:
-                torch.backends.cudnn.benchmark = True
             # before any process, port or CUDA context
             self._checked = resuming.check(self, self.accelerator, model)
             self._probe_auto_selected_gpus()
@@ -233,6 +231,8 @@ class Trainer:
         """Train in this process: set it up, run the loop, tear it down (also after a
         failure). Launchers call it once in every training process."""
         hooks = self._hooks()
+        if self.flags.benchmark:  # in every training process (as_found restores the caller)
+            torch.backends.cudnn.benchmark = True
         heart = attach_heart()  # before setup: a rank stuck there shows its pid and stack
         try:
             self.prepare()
