@@ -288,6 +288,50 @@ def test_a_slow_availability_check_is_named_while_it_runs_and_timed(tmp_path: Pa
     assert process.returncode == 0
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "cardcage", "explain", "--distributed-backend", "sleepy"],
+        ["-c", "import cardcage; cardcage.Trainer(distributed_backend='sleepy')"],
+    ],
+    ids=["cardcage explain", "Trainer()"],
+)
+def test_a_slow_availability_check_is_named_while_selection_waits_for_it(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """``cardcage explain`` and the Trainer constructor wait for the same installed plugin's
+    slow check: stderr names it while it still runs, and says when it returned; the command
+    goes on to succeed."""
+    site = installed_sleepy(tmp_path / "site")
+    seconds = plugins.SLOW_CHECK_S + 1.5
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(STEERING_PREFIXES) and k not in STEERING_NAMES
+    }
+    env = {**clean, "PYTHONPATH": str(site), "SLEEPY_SECONDS": str(seconds)}
+    process = subprocess.Popen(
+        [sys.executable, *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    try:
+        first = process.stderr.readline()
+        still_running = process.poll() is None
+        _, rest = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        process.wait()
+    check = "plugin sleepy's availability check of backend 'sleepy'"
+    assert first == f"cardcage: waiting for {check} (5 s so far)\n", first + rest
+    assert still_running  # named while it ran, not afterwards
+    assert f"cardcage: {check} returned after 6." in rest, rest
+    assert process.returncode == 0, rest
+
+
 def test_every_check_is_timed_and_a_quick_one_is_not_named(
     inprocess_accelerators: Callable[..., None],
     monkeypatch: pytest.MonkeyPatch,

@@ -121,9 +121,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from cardcage.plugins import slow_checks_named
     from cardcage.selection import select
 
-    selection = select(**trainer_flags(args))
+    with slow_checks_named():  # a slow availability check is named while it runs
+        selection = select(**trainer_flags(args))
     if args.json:
         _print_json(selection.as_dict())
     else:

@@ -17,12 +17,14 @@ backend loaded, a shipped backend not loaded, install hints) is in
 
 Nothing here imports a backend's engine (horovod, torch_xla); only the plugin modules.
 A plugin's check that takes long (a backend's ``availability``) is named on stderr while it
-runs (:func:`named_while_slow`).
+runs (:func:`named_while_slow`): by ``cardcage plugins``, and, inside
+:func:`slow_checks_named`, by the Trainer's and ``cardcage explain``'s selection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import gc
 import importlib.metadata as metadata
 import sys
@@ -353,6 +355,38 @@ def named_while_slow(
         timed.seconds = time.monotonic() - begin
         if timed.named:
             say(f"{what} returned after {timed.seconds:.1f} s")
+
+
+def check_label(plugin: str | None, backend: str) -> str:
+    """How a backend's availability check is named on stderr."""
+    owner = f"plugin {plugin}'s" if plugin else "the"
+    return f"{owner} availability check of backend {backend!r}"
+
+
+#: Whether availability checks name themselves while slow (:func:`slow_checks_named`).
+_checks_named: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cardcage_checks_named", default=False
+)
+
+
+@contextlib.contextmanager
+def slow_checks_named() -> Iterator[None]:
+    """Inside the block, each availability check that selection runs in this context is
+    watched by :func:`named_while_slow`. For the callers that may start a thread (the
+    Trainer's constructor, ``cardcage explain``); ``select`` alone starts none."""
+    token = _checks_named.set(True)
+    try:
+        yield
+    finally:
+        _checks_named.reset(token)
+
+
+def watched_check(plugin: str | None, backend: str) -> contextlib.AbstractContextManager[Any]:
+    """Around one availability check: named while slow inside :func:`slow_checks_named`,
+    else nothing (no thread)."""
+    if not _checks_named.get():
+        return contextlib.nullcontext()
+    return named_while_slow(check_label(plugin, backend))
 
 
 @contextlib.contextmanager

@@ -44,8 +44,7 @@ def backend_rows(env: Mapping[str, str]) -> tuple[list[dict[str, Any]], list[dic
         reg = registry.accelerators[name]
         # Named on stderr while it runs long (a listing may wait on a device or a network);
         # select() itself starts no thread, and so times nothing.
-        what = f"plugin {reg.plugin}'s availability check of backend {name!r}"
-        with plugins.named_while_slow(what) as timed:
+        with plugins.named_while_slow(plugins.check_label(reg.plugin, name)) as timed:
             availability = check_availability(reg.cls, ctx)
         rows.append(
             {

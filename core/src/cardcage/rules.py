@@ -21,11 +21,15 @@ from cardcage.flags import did_you_mean
 MAX_REDIRECTS = 4
 
 
-def check_availability(cls: type[Accelerator], ctx: SelectionContext) -> Availability:
+def check_availability(
+    cls: type[Accelerator], ctx: SelectionContext, plugin: str | None = None
+) -> Availability:
     """``cls.availability(ctx)``; a check that raises (but for a misconfiguration) is
-    reported as unavailable with the error, so that one broken plugin cannot stop selection."""
+    reported as unavailable with the error, so that one broken plugin cannot stop selection.
+    Inside :func:`plugins.slow_checks_named`, a slow check is named (as ``plugin``'s)."""
     try:
-        return cls.availability(ctx)
+        with plugins.watched_check(plugin, cls.name):
+            return cls.availability(ctx)
     except MisconfigurationError:
         raise
     except Exception as error:  # a broken check must not take selection down
@@ -113,7 +117,8 @@ def resolve_named(
         # Only the named backend's own checks apply on the first hop; the next one resolves
         # as if it had been named itself.
         ctx = replace(ctx, requested=current.name, requested_as=current.name)
-    availability = check_availability(current, ctx)
+    entry = registry.accelerators.get(current.name.lower())
+    availability = check_availability(current, ctx, entry.plugin if entry else None)
     if not availability:
         # a hint may start with a command (``pip install ...``): joined, not capitalised
         hint = f"; {availability.hint.strip().rstrip('.')}" if availability.hint else ""
@@ -157,7 +162,7 @@ def run_rules(
         if not claims:
             trace.append(TraceEntry(rule.order, name, cls.name, rule.why, "not claimed"))
             continue
-        availability = check_availability(cls, ctx)
+        availability = check_availability(cls, ctx, reg.plugin)
         if not availability:
             trace.append(
                 TraceEntry(rule.order, name, cls.name, rule.why, "unavailable", availability.reason)

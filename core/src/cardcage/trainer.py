@@ -70,27 +70,28 @@ class Trainer:
                 f"progress_bar={progress_bar!r} is not valid: use True, False or None (a bar "
                 "when stderr is a terminal)."
             )
-        self.selection: Selection = select(
-            gpus=gpus,
-            tpu_cores=tpu_cores,
-            num_processes=num_processes,
-            num_nodes=num_nodes,
-            distributed_backend=distributed_backend,
-            auto_select_gpus=auto_select_gpus,
-            log_gpu_memory=log_gpu_memory,
-            sync_batchnorm=sync_batchnorm,
-            benchmark=benchmark,
-            replace_sampler_ddp=replace_sampler_ddp,
-            precision=precision,
-            max_epochs=max_epochs,
-            max_steps=max_steps,
-            default_root_dir=default_root_dir,
-            resume_from_checkpoint=resume_from_checkpoint,
-            max_restarts=max_restarts,
-            checkpoint_every_n_steps=checkpoint_every_n_steps,
-            terminate_on_nan=terminate_on_nan,
-            **unknown,
-        )
+        with plugins.slow_checks_named():  # a slow availability check named while it runs
+            self.selection: Selection = select(
+                gpus=gpus,
+                tpu_cores=tpu_cores,
+                num_processes=num_processes,
+                num_nodes=num_nodes,
+                distributed_backend=distributed_backend,
+                auto_select_gpus=auto_select_gpus,
+                log_gpu_memory=log_gpu_memory,
+                sync_batchnorm=sync_batchnorm,
+                benchmark=benchmark,
+                replace_sampler_ddp=replace_sampler_ddp,
+                precision=precision,
+                max_epochs=max_epochs,
+                max_steps=max_steps,
+                default_root_dir=default_root_dir,
+                resume_from_checkpoint=resume_from_checkpoint,
+                max_restarts=max_restarts,
+                checkpoint_every_n_steps=checkpoint_every_n_steps,
+                terminate_on_nan=terminate_on_nan,
+                **unknown,
+            )
         self.flags = self.selection.flags
         requeue.check(self.selection)
         registry = plugins.registry(os.environ)
