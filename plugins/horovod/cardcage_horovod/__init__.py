@@ -64,6 +64,34 @@ def started_by_horovod(ctx: SelectionContext) -> bool:
     return ctx.cluster.name == "horovod"
 
 
+def started_elsewhere(ctx: SelectionContext) -> str:
+    """Why Horovod cannot run in processes that a launcher other than horovodrun or mpirun
+    (torchrun, SLURM's srun, a plugin's scheduler) started, several of them: each would start
+    a Horovod job of its own through Horovod's runner. What to run instead."""
+    size = ctx.cluster.world_size()
+    name = ctx.cluster.name
+    if name == "torchelastic":
+        under, each, alone = f"torchrun (WORLD_SIZE={size})", "torchrun processes", "python"
+        ddp = "under torchrun"
+    elif name == "slurm":
+        under, each, alone = (
+            f"SLURM managing tasks (SLURM_NTASKS={size})",
+            "SLURM tasks",
+            "srun -n 1 python",
+        )
+        ddp = "with SLURM starting the tasks"
+    else:
+        under = f"the cluster environment {name!r}, which started {size} processes"
+        each, alone, ddp = f"processes {name!r} started", "python", f"with {name!r} starting them"
+    return (
+        f"distributed_backend='horovod' under {under}: Horovod takes its processes from its "
+        f"own launcher, so each of the {size} {each} would start a Horovod job of its own. "
+        f"Start the job with `horovodrun -np {size} python train.py`, or with "
+        f"`{alone} train.py` with num_processes={size} (Horovod's runner starts the "
+        f"processes); {ddp}, use distributed_backend='ddp'."
+    )
+
+
 class HorovodAccelerator(Accelerator):
     name = "horovod"
     rules = (
@@ -131,16 +159,8 @@ class HorovodAccelerator(Accelerator):
                 "and start the job with `horovodrun -np N -H host1:n1,host2:n2 python train.py`; "
                 "on one machine, num_processes=N starts N processes without horovodrun."
             )
-        if ctx.cluster.name == "torchelastic" and ctx.processes_created_outside:
-            size = ctx.cluster.world_size()
-            raise MisconfigurationError(
-                f"distributed_backend='horovod' under torchrun (WORLD_SIZE={size}): Horovod "
-                "takes its processes from its own launcher, not from torchrun's, so each of the "
-                f"{size} torchrun processes would start a Horovod job of its own. Start the job "
-                f"with `horovodrun -np {size} python train.py`, or with `python train.py` and "
-                f"num_processes={size} (Horovod's runner starts the processes); under torchrun, "
-                "use distributed_backend='ddp'."
-            )
+        if ctx.processes_created_outside and not started_by_horovod(ctx):
+            raise MisconfigurationError(started_elsewhere(ctx))
         if ctx.gpu_ids and not started_by_horovod(ctx) and ctx.num_processes > ctx.device_count:
             raise MisconfigurationError(
                 f"distributed_backend='horovod' with gpus={ctx.flags.gpus!r} and num_processes="

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from cardcage_horovod import (
 
 import cardcage
 from cardcage import Availability, MisconfigurationError, plugins, select
-from cardcage.sdk import modules_by_value
+from cardcage.sdk import ClusterEnvironment, modules_by_value
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"}
 HOROVODRUN = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0"}
@@ -206,6 +208,90 @@ def test_under_a_one_process_torchrun_it_trains_in_place(with_horovod: None) -> 
     assert any("num_processes=2 is ignored" in w for w in selection.warnings)
     launcher = HorovodAccelerator(selection).make_launcher()
     assert type(launcher).__name__ == "InProcessLauncher"
+
+
+# srun -n 2: SLURM started two tasks; this is the second.
+SLURM_2_TASKS = {
+    "SLURM_JOB_ID": "1234567",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "n3",
+}
+
+
+def test_under_slurm_managing_tasks_it_is_refused_with_what_to_do(
+    with_horovod: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each srun task would start horovod.run workers of its own (a Horovod job per task):
+    refused when the Trainer is built, naming what to run instead."""
+    for name, value in {**ALONE, **SLURM_2_TASKS}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MisconfigurationError) as error:
+        cardcage.Trainer(distributed_backend="horovod", num_processes=2)
+    message = str(error.value)
+    assert "distributed_backend='horovod' under SLURM managing tasks (SLURM_NTASKS=2)" in message
+    assert "each of the 2 SLURM tasks would start a Horovod job of its own" in message
+    assert "`srun -n 1 python train.py` with num_processes=2" in message
+    assert "horovodrun -np 2 python train.py" in message and "'ddp'" in message
+
+
+def test_as_one_slurm_task_it_starts_num_processes_workers(with_horovod: None) -> None:
+    """What the refusal suggests: ``srun -n 1`` and num_processes=2 is one Horovod job of two
+    processes started by Horovod's runner."""
+    env = {**ALONE, **SLURM_2_TASKS, "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    selection = select(env=env, distributed_backend="horovod", num_processes=2)
+    assert (selection.cluster, selection.world_size) == ("local", 2)
+    launcher = HorovodAccelerator(selection).make_launcher()
+    assert type(launcher).__name__ == "HorovodRunLauncher"
+
+
+class Scheduler(ClusterEnvironment):
+    """A plugin's scheduler that starts one process per rank, as SLURM does."""
+
+    name = "scheduler"
+    order = 250
+    creates_processes = True
+    variables = ("SCHEDULER_SIZE", "SCHEDULER_RANK")
+
+    @classmethod
+    def detect(cls, env: Any, expected_world_size: int) -> bool:
+        return "SCHEDULER_SIZE" in env
+
+    def world_size(self) -> int:
+        return int(self.env["SCHEDULER_SIZE"])
+
+    def global_rank(self) -> int:
+        return int(self.env["SCHEDULER_RANK"])
+
+
+@pytest.fixture
+def scheduler() -> Iterator[None]:
+    module = types.ModuleType("cardcage_scheduler")
+    module.cardcage_cluster_environments = cardcage.hookimpl(lambda: [Scheduler])  # type: ignore[attr-defined]
+    plugins.register(module, "scheduler")
+    try:
+        yield
+    finally:
+        plugins.unregister("scheduler")
+
+
+def test_under_any_cluster_that_started_the_processes_it_is_refused(
+    with_horovod: None, scheduler: None
+) -> None:
+    env = {**ALONE, "CARDCAGE_PLUGINS": "horovod,scheduler", "SCHEDULER_SIZE": "2"}
+    with pytest.raises(MisconfigurationError) as error:
+        select(env={**env, "SCHEDULER_RANK": "0"}, distributed_backend="horovod")
+    message = str(error.value)
+    assert "under the cluster environment 'scheduler', which started 2 processes" in message
+    assert "horovodrun -np 2 python train.py" in message and "num_processes=2" in message
+    # one process started by it trains in place
+    selection = select(
+        env={**env, "SCHEDULER_SIZE": "1", "SCHEDULER_RANK": "0"}, distributed_backend="horovod"
+    )
+    assert (selection.cluster, selection.world_size) == ("scheduler", 1)
 
 
 def test_without_horovod_availability_names_the_build_helper(
