@@ -21,10 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from cardcage import variables
+
 MARKER = "CARDCAGE_TEST_MARKER"
 #: Seconds a job may take on a loaded two-core machine (start-up dominates).
 RUN_TIMEOUT = float(os.environ.get("CARDCAGE_TEST_TIMEOUT", "600"))
-#: Variables of an enclosing launcher that must not leak into the jobs a test starts.
+#: Variables of an enclosing launcher that must not leak into the jobs a test starts: a
+#: cluster's, and those cardcage sets for the processes it starts (every internal one, the
+#: fit's identity among them, and a restart's checkpoint and folder); a job started from
+#: inside a fit (a test of a test kit, a notebook's fit) is then a run of its own.
 LAUNCHER_VARIABLES = (
     "RANK",
     "LOCAL_RANK",
@@ -35,10 +40,12 @@ LAUNCHER_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
     "OMP_NUM_THREADS",
-    "CARDCAGE_HOSTED_STORE",
-    "CARDCAGE_ERROR_FILE",
-    "CARDCAGE_GPUS",
+    *(name for name in variables.INTERNAL if not name.endswith("*")),
+    variables.CHECKPOINT_DIR,
+    variables.RESTART_FROM,
+    variables.GPUS,
     "PL_TRAINER_GPUS",
 )
 
