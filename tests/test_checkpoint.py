@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage import checkpoint, restarts
+from cardcage import checkpoint, restarts, tempdirs
 
 BATCHES_PER_EPOCH = 8
 
@@ -327,12 +327,43 @@ def test_a_backend_may_write_and_read_a_format_of_its_own(tmp_path: Path) -> Non
 
 # -- a crash while writing --------------------------------------------------------------------
 
-WRITER = textwrap.dedent(
+#: Script text: ``stall_after(limit)`` makes ``save_atomic``'s writes stop once, inside
+#: ``torch.save``, when ``limit`` bytes have reached the temporary file; the script prints
+#: "writing" and sleeps there until the test signals it.
+STALL_WRITES = textwrap.dedent(
     """
     import io, os, sys, time
     import torch
     from cardcage import checkpoint
 
+    real_fdopen = os.fdopen
+
+
+    def stall_after(limit):
+        class Stalling(io.BufferedWriter):
+            written, stalled = 0, False
+
+            def write(self, data):
+                n = super().write(data)
+                Stalling.written += n
+                if Stalling.written > limit and not Stalling.stalled:
+                    Stalling.stalled = True  # once: torch writes on after an exception
+                    self.flush()
+                    print("writing", flush=True)
+                    time.sleep(600)  # stopped here by the parent's signal
+                return n
+
+        def fdopen(fd, mode="r", *args, **kwargs):
+            if mode == "wb":
+                return Stalling(io.FileIO(fd, "wb"))
+            return real_fdopen(fd, mode, *args, **kwargs)
+
+        os.fdopen = fdopen
+    """
+)
+
+WRITER = STALL_WRITES + textwrap.dedent(
+    """
     payload_path, path = sys.argv[1:]
     payload = torch.load(payload_path, weights_only=True)
     checkpoint.save_atomic(payload, path)  # checkpoint 1, complete
@@ -342,26 +373,7 @@ WRITER = textwrap.dedent(
     # it has reached the temporary file.
     payload["global_step"] = 999
     payload["state_dict"]["ballast"] = torch.randn(4_000_000)
-    real_fdopen = os.fdopen
-
-    class Stalling(io.BufferedWriter):
-        written = 0
-
-        def write(self, data):
-            n = super().write(data)
-            Stalling.written += n
-            if Stalling.written > 8_000_000:
-                self.flush()
-                print("writing", flush=True)
-                time.sleep(600)
-            return n
-
-    def fdopen(fd, mode="r", *args, **kwargs):
-        if mode == "wb":
-            return Stalling(io.FileIO(fd, "wb"))
-        return real_fdopen(fd, mode, *args, **kwargs)
-
-    os.fdopen = fdopen
+    stall_after(8_000_000)
     checkpoint.save_atomic(payload, path)
     print("finished", flush=True)
     """
@@ -413,34 +425,10 @@ def test_killed_while_writing_leaves_the_previous_checkpoint(tmp_path: Path) -> 
 
 # -- partial files ----------------------------------------------------------------------------
 
-STALLED_WRITER = textwrap.dedent(
+STALLED_WRITER = STALL_WRITES + textwrap.dedent(
     """
-    import io, os, sys, time
-    import torch
-    from cardcage import checkpoint
-
-    path = sys.argv[1]
-    real_fdopen = os.fdopen
-
-    class Stalling(io.BufferedWriter):
-        stalled = False
-
-        def write(self, data):
-            n = super().write(data)
-            if not Stalling.stalled:
-                Stalling.stalled = True
-                self.flush()
-                print("writing", flush=True)
-                time.sleep(600)  # stopped here, inside torch.save, by the parent's signal
-            return n
-
-    def fdopen(fd, mode="r", *args, **kwargs):
-        if mode == "wb":
-            return Stalling(io.FileIO(fd, "wb"))
-        return real_fdopen(fd, mode, *args, **kwargs)
-
-    os.fdopen = fdopen
-    checkpoint.save_atomic({"state_dict": {"w": torch.randn(100_000)}}, path)
+    stall_after(0)  # at its first write
+    checkpoint.save_atomic({"state_dict": {"w": torch.randn(100_000)}}, sys.argv[1])
     print("finished", flush=True)
     """
 )
@@ -495,7 +483,7 @@ def test_partial_files_of_killed_writers_are_cleared_when_fit_starts(tmp_path: P
     live = stalled_writer(tmp_path / "last.ckpt")
     try:
         writing = [name for name in partial_files(tmp_path) if name != left]
-        assert len(writing) == 1 and f".{live.pid}@" in writing[0]
+        assert len(writing) == 1 and f".{tempdirs.owner(live.pid)}." in writing[0]
         cardcage.Trainer(default_root_dir=tmp_path, max_steps=1, progress_bar=False).fit(
             fresh_model(), loader()
         )
@@ -503,6 +491,23 @@ def test_partial_files_of_killed_writers_are_cleared_when_fit_starts(tmp_path: P
     finally:
         live.kill()
         live.wait(timeout=60)
+
+
+def test_a_partial_file_is_a_dead_writers_when_its_pid_now_names_another_process(
+    tmp_path: Path,
+) -> None:
+    """A partial file names its writer by pid and start time, as launchers' folders do: one
+    whose pid now belongs to a process that started at another time (this one) was left by a
+    writer that is gone, and is cleared; this process's own file, and one of another host,
+    are kept."""
+    pid, host = os.getpid(), tempdirs.this_host()
+    reused = tmp_path / f".last.ckpt.{pid}.1@{host}.abc_123.tmp"
+    own = tmp_path / f".last.ckpt.{tempdirs.owner()}.def456.tmp"
+    other_host = tmp_path / f".last.ckpt.{pid}.1@another-host.ghi789.tmp"
+    for path in (reused, own, other_host):
+        path.write_bytes(b"part of a checkpoint")
+    assert checkpoint.clear_partial_files(tmp_path) == [reused]
+    assert sorted(tmp_path.iterdir()) == sorted([own, other_host])
 
 
 # -- the run a checkpoint records -------------------------------------------------------------

@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from cardcage import tempdirs
@@ -26,11 +27,11 @@ def test_a_folder_is_private_and_names_its_launcher(tmp_path: Path) -> None:
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     pid, start, host = tempdirs.launcher_of(folder.name, PREFIX) or (0, "", "")
     assert pid == os.getpid() and start.isdigit()
-    assert host == tempdirs._host()
+    assert host == tempdirs.this_host()
 
 
 def test_only_folders_of_launchers_that_are_gone_are_removed(tmp_path: Path) -> None:
-    host = tempdirs._host()
+    host = tempdirs.this_host()
     mine = tempdirs.make(PREFIX, root=tmp_path)
     # A dead launcher's folder, as SIGKILL leaves it, with a file in it.
     dead = tmp_path / f"{PREFIX}{ended_process()}.1@{host}-abc_123"
@@ -52,7 +53,7 @@ def test_only_folders_of_launchers_that_are_gone_are_removed(tmp_path: Path) -> 
 
 
 def test_making_a_folder_removes_the_stale_ones_first(tmp_path: Path) -> None:
-    dead = tmp_path / f"{PREFIX}{ended_process()}.1@{tempdirs._host()}-abc"
+    dead = tmp_path / f"{PREFIX}{ended_process()}.1@{tempdirs.this_host()}-abc"
     dead.mkdir()
     made = tempdirs.make(PREFIX, root=tmp_path)
     assert list(tmp_path.iterdir()) == [made]
@@ -61,3 +62,22 @@ def test_making_a_folder_removes_the_stale_ones_first(tmp_path: Path) -> None:
 def test_a_host_name_with_dashes_is_read_back_whole() -> None:
     name = f"{PREFIX}4242.99@node-7.example-a_b1c2"
     assert tempdirs.launcher_of(name, PREFIX) == (4242, "99", "node-7.example")
+
+
+def test_a_launcher_killed_but_not_yet_reaped_has_ended(tmp_path: Path) -> None:
+    """A SIGKILLed launcher whose parent has not waited for it yet is a zombie: it runs no
+    more, so its folder goes (its pid and start still read as they were)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folder = tmp_path / f"{PREFIX}{tempdirs.owner(child.pid)}-abc"
+        folder.mkdir()
+        assert tempdirs.remove_stale(PREFIX, root=tmp_path) == []  # alive: kept
+        child.kill()
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not become a zombie"
+            time.sleep(0.01)
+        assert tempdirs.remove_stale(PREFIX, root=tmp_path) == [folder]
+    finally:
+        child.kill()
+        child.wait()

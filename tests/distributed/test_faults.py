@@ -105,6 +105,9 @@ def rank_leaves(mode: str) -> Any:
         assert "RankFailedError: rank 0" not in stderr, stderr
         if mode != "torchrun":
             assert "(exited with status 0 before its fit finished)" in stderr, stderr
+        # Who stopped the others, truly: cardcage's launcher, or torchrun (cardcage did not).
+        stopped = "torchrun stops the other ranks" if mode == "torchrun" else "every other rank"
+        assert f"; {stopped}" in stderr, stderr
         harness.assert_no_leftovers()
 
     return scenario

@@ -22,12 +22,15 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 pytestmark = pytest.mark.slow
 
 
-def run(harness: Harness, out: Path, backend: str, mode: str, torchrun: bool = False) -> Any:
+def run(
+    harness: Harness, out: Path, backend: str, mode: str, *options: str, torchrun: bool = False
+) -> Any:
+    """Start restart_job.py; ``options``: its ``[MAX_RESTARTS] [KEY=VALUE...]``."""
     out.mkdir(parents=True)
-    command = [sys.executable, str(JOB), str(out), backend, mode]
+    command = [sys.executable, str(JOB), str(out), backend, mode, *options]
     if torchrun:
         command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
-        command += [str(JOB), str(out), backend, mode]
+        command += [str(JOB), str(out), backend, mode, *options]
     return harness.start(command, name=f"{backend} {mode}")
 
 
@@ -92,6 +95,28 @@ def test_a_rank_that_always_dies_fails_after_the_restarts(tmp_path: Path, backen
         "max_restarts=2 allows" in job.stderr
     )
     assert job.stderr.count("restart 2 of max_restarts=2") == 1
+    assert not (tmp_path / "out" / "result.json").exists()
+
+
+@pytest.mark.parametrize("backend", ["ddp_spawn", "ddp"])
+def test_a_rank_that_leaves_early_is_named_so_by_the_restarts(tmp_path: Path, backend: str) -> None:
+    """Rank 1 calls ``os._exit(0)`` at every attempt (max_restarts=1). Its status alone reads
+    as a success: the restart's log line and the error once the restarts are spent say that
+    it left the job early, as the launcher found, not that it "exited with status 0"."""
+    harness = Harness(tmp_path)
+    try:
+        job = run(harness, tmp_path / "out", backend, "always", "1", "leave=0")
+        assert job.wait() != 0
+        harness.assert_no_leftovers()
+    finally:
+        assert not harness.cleanup()
+    left = "rank 1 left the job early (exited with status 0 before its fit finished)"
+    assert f"{left}; restart 1 of max_restarts=1, from" in job.stderr, job.output()
+    assert (
+        f"RankFailedError: {left} after 1 restart(s), all that max_restarts=1 allows; every "
+        "other rank was stopped." in job.stderr
+    ), job.output()
+    assert "exited with status 0;" not in job.stderr
     assert not (tmp_path / "out" / "result.json").exists()
 
 

@@ -4,7 +4,8 @@ A checkpoint holds the model, the optimizers, the grad scaler, the epoch, the gl
 the position inside the epoch and the random states needed to draw the same batches again.
 It is written to a temporary file in the target folder, flushed to disk, then renamed over
 the target: a crash mid-write leaves the previous checkpoint whole. The temporary file's name
-holds its writer's pid and host (``.last.ckpt.<pid>@<host>.<random>.tmp``): a write stopped by
+names its writer (``.last.ckpt.<pid>.<start>@<host>.<random>.tmp``, as
+:func:`cardcage.tempdirs.owner` names a process): a write stopped by
 SIGTERM, SIGINT or SIGHUP removes it before the process ends, and :func:`clear_partial_files`
 removes those whose writer was killed outright (SIGKILL), never one that a live process, of
 this job or another, is still writing.
@@ -23,7 +24,6 @@ import os
 import random
 import re
 import signal
-import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from cardcage import resume_checks
+from cardcage import resume_checks, tempdirs
 from cardcage.errors import CheckpointError
 from cardcage.resume_checks import DCP_METADATA as DCP_METADATA
 from cardcage.resume_checks import FORMAT as FORMAT
@@ -141,7 +141,7 @@ def save_atomic(payload: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             handle, partial.path = tempfile.mkstemp(
-                prefix=f".{target.name}.{_writer()}.", suffix=".tmp", dir=target.parent
+                prefix=f".{target.name}.{tempdirs.owner()}.", suffix=".tmp", dir=target.parent
             )
         except OSError as error:
             raise write_error(target, error) from error
@@ -231,70 +231,32 @@ def _removed_on_signal(partial: _Partial) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname()) or "host"
-
-
-def _writer() -> str:
-    """The writer's part of a temporary file's name: ``<pid>@<host>``."""
-    return f"{os.getpid()}@{_host()}"
-
-
-#: ``.<target>.<pid>@<host>.<mkstemp's random part>.tmp``, as :func:`save_atomic` names them.
-_PARTIAL = re.compile(r"^\..+\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9_-]+)\.[A-Za-z0-9_]+\.tmp$")
+#: ``.<target>.<pid>.<start>@<host>.<mkstemp's random part>.tmp``, as :func:`save_atomic`
+#: names them: the writer named as :func:`cardcage.tempdirs.owner` names a process.
+_PARTIAL = re.compile(r"\..+\." + tempdirs.OWNER + r"\.[A-Za-z0-9_]+\.tmp")
 
 
 def clear_partial_files(folder: str | os.PathLike[str]) -> list[Path]:
     """Remove the partial files that killed writers on this host left in ``folder``.
 
     A temporary file of :func:`save_atomic` names its writer; it is removed when that
-    process is gone (or its pid now belongs to a process started after the file was last
-    written). A live writer's file, one of another host, or a name this function did not
+    process has ended (:func:`cardcage.tempdirs.ended`: gone, or its pid now another
+    process's). A live writer's file, one of another host, or a name this function did not
     make, is left alone. Returns what it removed; a folder it cannot read is skipped.
     """
     removed: list[Path] = []
-    host = _host()
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
     for entry in entries:
-        match = _PARTIAL.match(entry.name)
-        if match is None or match["host"] != host:
-            continue
-        try:
-            written = entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        if _writing(int(match["pid"]), written):
+        found = _PARTIAL.fullmatch(entry.name)
+        if found is None or not tempdirs.ended(int(found["pid"]), found["start"], found["host"]):
             continue
         with contextlib.suppress(OSError):
             os.unlink(entry.path)
             removed.append(Path(entry.path))
     return removed
-
-
-def _writing(pid: int, written: float) -> bool:
-    """Whether process ``pid`` may still be writing a file last written at ``written``."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # alive, another user's
-    try:  # a pid reused by a process that started after the write is not the writer
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
-        boot = next(
-            float(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-        started = boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return True
-    return started <= written + 1.0
 
 
 class _Recorder:

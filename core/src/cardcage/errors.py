@@ -44,26 +44,49 @@ class PluginError(RuntimeError):
     """
 
 
+#: Who stops the other ranks when cardcage's launcher started them (spawn, script relaunch).
+STOPPED_BY_CARDCAGE = "every other rank was stopped"
+
+
 class RankFailedError(RuntimeError):
-    """A process of a distributed job failed; every other process of the job was stopped.
+    """A process of a distributed job failed, and the job's other processes are stopped.
 
     ``rank`` is the first rank that failed, ``exitcode`` its exit status (negative: killed by
-    that signal) and ``details`` its traceback when it left one.
+    that signal; None when it is not known), ``details`` its traceback when it left one, and
+    ``reason`` what happened to it when its status does not say (it left the job early, it
+    was stuck, it could not be started). ``what`` is the one of these the message names.
+    ``stopped`` says who stops the other ranks: cardcage's launcher when it started them
+    (the default), else the launcher that did (torchrun, srun).
     """
 
-    def __init__(self, rank: int, exitcode: int | None, details: str = "", reason: str = ""):
+    def __init__(
+        self,
+        rank: int,
+        exitcode: int | None,
+        details: str = "",
+        reason: str = "",
+        stopped: str = STOPPED_BY_CARDCAGE,
+    ):
         self.rank = rank
         self.exitcode = exitcode
         self.details = details
-        what = reason or (
+        self.reason = reason
+        self.stopped = stopped
+        self.what = reason or (
             f"was killed by signal {-exitcode}"
             if exitcode is not None and exitcode < 0
             else f"exited with status {exitcode}"
         )
-        message = f"rank {rank} {what}; every other rank was stopped."
+        message = f"rank {rank} {self.what}; {stopped}."
         if details:
             message += f"\n--- traceback of rank {rank} ---\n{details.rstrip()}"
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # every field survives pickling
+        return (
+            type(self),
+            (self.rank, self.exitcode, self.details, self.reason, self.stopped),
+        )
 
 
 class NonFiniteLossError(RuntimeError):

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import sys
+import re
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from cardcage.errors import RankFailedError
+from cardcage import tempdirs
+from cardcage.errors import STOPPED_BY_CARDCAGE, RankFailedError
 
 ERROR_FILE = "CARDCAGE_ERROR_FILE"
 #: How long a failing rank waits for a peer's process to end (it may still be exiting).
@@ -113,33 +113,6 @@ def _finished_key(rank: int) -> str:
     return f"cardcage/finished/{rank}"
 
 
-def _started(pid: int) -> str:
-    """When process ``pid`` started (clock ticks since boot; ``""`` where ``/proc`` is
-    missing): a pid the kernel gave to a new process reads differently."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
-def _gone(pid: int, started: str) -> bool:
-    """Whether process ``pid`` (started at ``started``) has ended: gone, a zombie, or its
-    pid taken by another process."""
-    if not sys.platform.startswith("linux"):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return True
-    return fields[0] in ("Z", "X") or (bool(started) and fields[19] != started)
-
-
 def join(store: Any, rank: int, world_size: int) -> None:
     """Publish this rank in the job's ``store`` (its host, pid and start) once it joined
     the process group, so that a peer whose collective fails can tell whether it left."""
@@ -151,35 +124,36 @@ def join(store: Any, rank: int, world_size: int) -> None:
             from torch.distributed import distributed_c10d
 
             store = distributed_c10d._get_default_store()  # no public API for this
-        pid = os.getpid()
-        store.set(_presence_key(rank), f"{socket.gethostname()} {pid} {_started(pid)}")
+        store.set(_presence_key(rank), tempdirs.owner())
         _state["roll"] = (store, rank, world_size)
 
 
-def departure(grace: float = DEPARTURE_GRACE_S) -> RankFailedError | None:
+def departure(
+    grace: float = DEPARTURE_GRACE_S, stopped: str = STOPPED_BY_CARDCAGE
+) -> RankFailedError | None:
     """Called by a rank whose fit failed where no cardcage launcher watches it: the error
     naming the first peer on this host that left the job (its process ended) before it
     finished this fit, or ``None`` when none did (the failure is this rank's own, or a peer
     on another host's, which this rank cannot see). Waits up to ``grace`` seconds for a
-    peer that is still exiting. Never raises."""
+    peer that is still exiting; ``stopped`` says who stops the other ranks. Never raises."""
     roll = _state["roll"]
     if roll is None:
         return None
     store, own, world_size = roll
     fit = _state["fits"] + 1  # the fit this rank is in
-    host = socket.gethostname()
+    host = tempdirs.this_host()
     peers: dict[int, tuple[int, str]] = {}
     try:
         for rank in range(world_size):
             if rank == own or not store.check([_presence_key(rank)]):
                 continue
-            where, pid, started = store.get(_presence_key(rank)).decode().split(" ")
-            if where == host:
-                peers[rank] = (int(pid), started)
+            found = re.fullmatch(tempdirs.OWNER, store.get(_presence_key(rank)).decode())
+            if found is not None and found["host"] == host:
+                peers[rank] = (int(found["pid"]), found["start"])
         deadline = time.monotonic() + grace
         while peers:
             for rank, (pid, started) in sorted(peers.items()):
-                if not _gone(pid, started):
+                if not tempdirs.ended(pid, started, host):
                     continue
                 del peers[rank]
                 key = _finished_key(rank)
@@ -191,6 +165,7 @@ def departure(grace: float = DEPARTURE_GRACE_S) -> RankFailedError | None:
                     reason=f"left the job early (its process, pid {pid} on {host}, ended "
                     f"before its fit finished, and rank {own} failed because it was gone; "
                     f"rank {rank}'s own output says why, if it said anything)",
+                    stopped=stopped,
                 )
             if time.monotonic() > deadline:
                 return None

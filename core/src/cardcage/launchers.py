@@ -100,8 +100,25 @@ class ScriptLauncher(Launcher):
                 write_error_file(error)
                 # No launcher of ours watches (torchrun, srun): a peer that left is named.
                 if selection.processes_created_outside and isinstance(error, Exception):
-                    gone = departure()
+                    gone = departure(stopped=stopped_by(selection.cluster))
                     if gone is not None:
                         raise gone from error
                 raise
         return supervisor.run(trainer.run_fit_loop)
+
+
+def stopped_by(cluster: str) -> str:
+    """Who stops the other ranks of a job whose processes ``cluster``'s launcher started
+    (cardcage stops none of them there), as :class:`~cardcage.errors.RankFailedError`
+    says it."""
+    if cluster == "torchelastic":
+        return "torchrun stops the other ranks (cardcage did not start them)"
+    if cluster == "slurm":
+        return (
+            "srun stops the other ranks only with --kill-on-bad-exit (cardcage did not start "
+            "them); else each fails at its next collective"
+        )
+    return (
+        f"the launcher of cluster {cluster!r} stops the other ranks (cardcage did not start "
+        "them); else each fails at its next collective"
+    )

@@ -11,9 +11,8 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
-from pathlib import Path
 
+from cardcage import tempdirs
 from cardcage.errors import MisconfigurationError
 from cardcage.failures import ERROR_FILE
 from cardcage.rendezvous import (
@@ -27,6 +26,9 @@ from cardcage.supervisor import Child, Supervisor, set_parent_death_signal
 from cardcage.watchdog import HEARTBEAT, Watch
 
 log = logging.getLogger("cardcage")
+
+#: The children's error files and progress counts: + <pid>.<start>@<host>-<random> (tempdirs)
+ERRORS_PREFIX = "cardcage-errors-"
 
 _relaunched: dict[str, Supervisor] = {}
 #: What the variables that relaunch_script set in this process were before (None: unset).
@@ -104,7 +106,7 @@ def relaunch_script(
         store = host_store(world_size, master_address)
         master_port = int(store.port)
         env[HOSTED_STORE] = "1"
-    errors = Path(tempfile.mkdtemp(prefix="cardcage-errors-"))
+    errors = tempdirs.make(ERRORS_PREFIX)  # private; a SIGKILLed launcher's are removed
     atexit.register(shutil.rmtree, errors, True)  # the children's error files, once read
     # This process starts every rank (one node): it watches their progress too.
     watch = Watch(errors, world_size, {base_rank: os.getpid()}) if hosted else None

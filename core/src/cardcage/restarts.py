@@ -28,13 +28,12 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cardcage import checkpoint
+from cardcage import checkpoint, tempdirs
 from cardcage.checkpoint import Run as Run
 from cardcage.errors import RankFailedError
 from cardcage.rendezvous import HOSTED_STORE
@@ -56,6 +55,9 @@ RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 RUN_ID = "CARDCAGE_RUN_ID"
 #: The folder of the requeue checkpoint (cardcage.requeue; that layer is above this one).
 REQUEUE_DIR = "CARDCAGE_REQUEUE_DIR"
+#: The folder ``fit`` makes for step checkpoints (the weights) without ``default_root_dir``:
+#: + <pid>.<start>@<host>-<random> (cardcage.tempdirs).
+FOLDER_PREFIX = "cardcage-checkpoints-"
 #: Steps between step checkpoints when ``max_restarts`` asks for them and nothing else is set.
 DEFAULT_EVERY = 100
 
@@ -195,7 +197,7 @@ def _folder_for(trainer: Trainer) -> Iterator[Path | None]:
     if trainer.flags.default_root_dir or not wanted or os.environ.get(CHECKPOINT_DIR):
         yield checkpoint_folder(trainer.flags.default_root_dir, os.environ)
         return
-    made = tempfile.mkdtemp(prefix="cardcage-checkpoints-")
+    made = str(tempdirs.make(FOLDER_PREFIX))  # private; a SIGKILLed launcher's are removed
     previous = os.environ.get(CHECKPOINT_DIR)
     os.environ[CHECKPOINT_DIR] = made  # spawned and relaunched processes inherit it
     try:
@@ -281,7 +283,7 @@ def _prepare_restart(
     log.warning(
         "cardcage: rank %d %s; restart %d of max_restarts=%d, from %s",
         error.rank,
-        _what(error),
+        error.what,  # its exit status, or what happened when that does not say (it left)
         trainer.restarts,
         trainer.flags.max_restarts,
         where,
@@ -302,13 +304,6 @@ def _materialize(model: Any) -> None:
         model.to_empty(device="cpu")
 
 
-def _what(error: RankFailedError) -> str:
-    code = error.exitcode
-    if code is not None and code < 0:
-        return f"was killed by signal {-code}"
-    return f"exited with status {code}" if not error.details else "failed"
-
-
 def _spent(error: RankFailedError, restarts: int) -> RankFailedError:
-    reason = f"{_what(error)} after {restarts} restart(s), all that max_restarts={restarts} allows"
-    return RankFailedError(error.rank, error.exitcode, error.details, reason)
+    reason = f"{error.what} after {restarts} restart(s), all that max_restarts={restarts} allows"
+    return RankFailedError(error.rank, error.exitcode, error.details, reason, error.stopped)

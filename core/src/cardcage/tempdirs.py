@@ -1,8 +1,12 @@
 """Launchers' temporary folders: private, and never left behind for good.
 
-A launcher's folder holds what its processes share: ``ddp_spawn``'s holds the pickled job
-(the model and the data) and the results. :func:`make` creates it private (mode 0700, as
-``tempfile.mkdtemp`` does) and names it after the host and the process that made it::
+A launcher's folder holds what its processes share: ``ddp_spawn``'s
+(``cardcage-workers-``) the pickled job (the model and the data) and the results; script
+relaunch's (``cardcage-errors-``) the ranks' error files and progress counts; and, when
+``max_restarts`` keeps step checkpoints without ``default_root_dir``, ``fit``'s
+``cardcage-checkpoints-`` folder holds ``last.ckpt`` (the weights). :func:`make` creates it
+private (mode 0700, as ``tempfile.mkdtemp`` does) and names it after the host and the
+process that made it::
 
     cardcage-workers-<pid>.<start>@<host>-<random>
 
@@ -13,10 +17,15 @@ OOM killer) cannot. So before making its own, a launcher removes every folder of
 whose launcher is gone (:func:`remove_stale`): never one whose launcher is alive, nor one
 that another host made (a temporary folder shared between machines), nor one it cannot
 read the owner of from the name.
+
+A name says whose it is by :func:`owner` (``<pid>.<start>@<host>``); :func:`ended` tells
+whether that process has ended. Partial checkpoint files (:mod:`cardcage.checkpoint`) and
+the ranks a job publishes (:mod:`cardcage.failures`) name their process the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -24,47 +33,90 @@ import socket
 import tempfile
 from pathlib import Path
 
-__all__ = ["launcher_of", "make", "remove_stale"]
+__all__ = [
+    "OWNER",
+    "ended",
+    "launcher_of",
+    "make",
+    "owner",
+    "remove_stale",
+    "start_of",
+    "this_host",
+]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]")
+#: How :func:`owner` names a process: ``<pid>.<start>@<host>``, its parts in groups.
+OWNER = r"(?P<pid>\d+)\.(?P<start>\d+)@(?P<host>[A-Za-z0-9._-]+)"
+#: A folder's name after its prefix: the owner, then ``-`` and mkdtemp's random part.
+_FOLDER = re.compile(OWNER + r"-[A-Za-z0-9_]+")
 
 
-def _host() -> str:
-    """This host's name as it goes into a folder's name."""
+def this_host() -> str:
+    """This host's name as it goes into a name (letters, digits, ``.``, ``-``, ``_``)."""
     return _UNSAFE.sub("_", socket.gethostname())[:64] or "host"
 
 
-def _started(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat``), or
-    ``None`` when it does not exist; ``"0"`` where ``/proc`` is missing."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (``[0]``: the state,
+    ``[19]``: the start); ``None`` when there is no such process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        if not Path("/proc/self/stat").exists():  # no /proc here: the pid alone says
-            return "0" if _exists(pid) else None
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
         return None
-    except OSError:
-        return "0"  # it exists, but cannot be read: alive, whatever its start
-    return stat.rpartition(")")[2].split()[19]  # field 22: starttime
 
 
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def start_of(pid: int) -> str:
+    """When process ``pid`` started (clock ticks after boot, field 22 of
+    ``/proc/<pid>/stat``); ``"0"`` where that cannot be read (no ``/proc``, or no such
+    process): a pid that the kernel gave to a later process reads differently."""
+    with contextlib.suppress(OSError, IndexError):
+        fields = _stat(pid)
+        if fields is not None:
+            return fields[19]
+    return "0"
+
+
+def owner(pid: int | None = None) -> str:
+    """Process ``pid`` (default: this one) as a name records it: ``<pid>.<start>@<host>``
+    (:data:`OWNER`)."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}.{start_of(pid)}@{this_host()}"
+
+
+def ended(pid: int, start: str, host: str) -> bool:
+    """Whether the process that :func:`owner` named ``<pid>.<start>@<host>`` has ended: it
+    is gone, a zombie, or its pid belongs to a process that started at another time.
+
+    ``False`` for another host's process (this one cannot see it), and whenever it cannot
+    be told: a process that cannot be read is taken as alive, and a start of ``"0"`` (not
+    known) matches any. Without ``/proc``, the pid alone says."""
+    if host != this_host():
         return False
-    except PermissionError:
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    try:
+        fields = _stat(pid)
+    except OSError:
+        return False  # it exists, but cannot be read
+    if fields is None:
         return True
-    return True
+    if fields[0] in ("Z", "X"):
+        return True
+    now = fields[19] if len(fields) > 19 else "0"
+    return "0" not in (now, start) and now != start
 
 
 def make(prefix: str, root: str | os.PathLike[str] | None = None) -> Path:
     """A new private folder ``<prefix><pid>.<start>@<host>-<random>`` under ``root`` (the
     temporary folder by default), after removing the ones of dead launchers there."""
     remove_stale(prefix, root)
-    pid = os.getpid()
-    owner = f"{pid}.{_started(pid) or '0'}@{_host()}-"
-    folder = Path(tempfile.mkdtemp(prefix=prefix + owner, dir=root))
+    folder = Path(tempfile.mkdtemp(prefix=f"{prefix}{owner()}-", dir=root))
     os.chmod(folder, 0o700)  # mkdtemp's mode, said here: the folder holds the user's job
     return folder
 
@@ -72,20 +124,15 @@ def make(prefix: str, root: str | os.PathLike[str] | None = None) -> Path:
 def launcher_of(name: str, prefix: str) -> tuple[int, str, str] | None:
     """``(pid, start, host)`` of the launcher that made folder ``name``; ``None`` when the
     name is not one :func:`make` gives."""
-    if not name.startswith(prefix):
+    found = _FOLDER.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+    if found is None:
         return None
-    owner, at, rest = name[len(prefix) :].partition("@")
-    pid, dot, start = owner.partition(".")
-    host, dash, _ = rest.rpartition("-")  # mkdtemp's random part has no "-"
-    if not (at and dot and dash and pid.isdigit() and start.isdigit() and host):
-        return None
-    return int(pid), start, host
+    return int(found["pid"]), found["start"], found["host"]
 
 
 def remove_stale(prefix: str, root: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Remove this host's ``<prefix>*`` folders whose launcher is gone; return them."""
+    """Remove this host's ``<prefix>*`` folders whose launcher has ended; return them."""
     folder = Path(root if root is not None else tempfile.gettempdir())
-    host = _host()
     removed = []
     try:
         candidates = [entry for entry in folder.iterdir() if entry.name.startswith(prefix)]
@@ -93,12 +140,8 @@ def remove_stale(prefix: str, root: str | os.PathLike[str] | None = None) -> lis
         return []
     for path in candidates:
         launcher = launcher_of(path.name, prefix)
-        if launcher is None or launcher[2] != host:
-            continue
-        pid, start, _ = launcher
-        now = _started(pid)
-        if now is not None and (now == start or "0" in (now, start)):
-            continue  # its launcher is alive (or may be: a pid we cannot tell apart)
+        if launcher is None or not ended(*launcher):
+            continue  # not one of ours, another host's, or its launcher is (or may be) alive
         if not path.is_symlink() and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

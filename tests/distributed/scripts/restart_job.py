@@ -8,7 +8,8 @@ OUT); ``always`` kills at every attempt. Rank 0 writes ``OUT/result.json``: the 
 
 Options: ``every=N`` (``checkpoint_every_n_steps``, 2), ``root=DIR`` (``default_root_dir``;
 under torchrun ``OUT/root`` by default, else none), ``lr=X`` (Adam's, 0.01), ``hidden=N``
-(the hidden layer's width, 16: another width is another model shape), and ``write=die`` or
+(the hidden layer's width, 16: another width is another model shape), ``leave=STATUS``
+(rank 1 exits with ``os._exit(STATUS)`` where it would SIGKILL itself), and ``write=die`` or
 ``write=stall``: rank 0 stops inside its first checkpoint write, after the temporary file
 was made (its scheduler's state holds an object whose pickling SIGKILLs the process, or
 sleeps, 0.1 s at a time, until the process is stopped; ``OUT/in-write`` marks the moment).
@@ -50,6 +51,7 @@ class Net(torch.nn.Module):
         self.out, self.mode = out, mode
         self.lr = float(options.get("lr", 0.01))
         self.write = options.get("write")
+        self.leave = options.get("leave")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.step += 1
@@ -57,6 +59,8 @@ class Net(torch.nn.Module):
             marker = Path(self.out, "killed")
             if self.mode == "always" or not marker.exists():
                 marker.touch()
+                if self.leave is not None:
+                    os._exit(int(self.leave))  # leaves without a word, as a callback may
                 os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
