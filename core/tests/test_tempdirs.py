@@ -81,3 +81,18 @@ def test_a_launcher_killed_but_not_yet_reaped_has_ended(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_launch_removes_the_dead_launchers_folders_of_every_kind(tmp_path: Path) -> None:
+    """A killed ``ddp`` launcher's error files and step checkpoints go at the next launch,
+    whichever backend that uses; another program's ``cardcage-*`` name is left alone."""
+    host, dead = tempdirs.this_host(), ended_process()
+    stale = [
+        tmp_path / f"cardcage-{kind}-{dead}.1@{host}-abc"
+        for kind in ("errors", "checkpoints", "workers")
+    ]
+    kept = tmp_path / "cardcage-notes"
+    for folder in (*stale, kept):
+        folder.mkdir()
+    made = tempdirs.make(PREFIX, root=tmp_path)
+    assert sorted(tmp_path.iterdir()) == sorted([kept, made])

@@ -13,9 +13,9 @@ process that made it::
 (``<start>``: when that process started, from ``/proc``, so that a reused pid is not taken
 for the launcher; ``0`` where there is no ``/proc``). A launcher removes its folder when its
 fit ends, also after a failure or SIGINT/SIGTERM/SIGHUP; one killed outright (SIGKILL, the
-OOM killer) cannot. So before making its own, a launcher removes every folder of its kind
-whose launcher is gone (:func:`remove_stale`): never one whose launcher is alive, nor one
-that another host made (a temporary folder shared between machines), nor one it cannot
+OOM killer) cannot. So before making its own, a launcher removes every such folder, of any
+kind, whose launcher is gone (:func:`remove_stale`): never one whose launcher is alive, nor
+one that another host made (a temporary folder shared between machines), nor one it cannot
 read the owner of from the name.
 
 A name says whose it is by :func:`owner` (``<pid>.<start>@<host>``); :func:`ended` tells
@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 __all__ = [
+    "FAMILY",
     "OWNER",
     "ended",
     "launcher_of",
@@ -47,8 +48,11 @@ __all__ = [
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]")
 #: How :func:`owner` names a process: ``<pid>.<start>@<host>``, its parts in groups.
 OWNER = r"(?P<pid>\d+)\.(?P<start>\d+)@(?P<host>[A-Za-z0-9._-]+)"
-#: A folder's name after its prefix: the owner, then ``-`` and mkdtemp's random part.
-_FOLDER = re.compile(OWNER + r"-[A-Za-z0-9_]+")
+#: The start of every kind of folder: ``cardcage-<kind>-`` (workers, errors, checkpoints).
+FAMILY = "cardcage-"
+#: A folder's name after its prefix: the rest of its kind (``<kind>-`` after
+#: :data:`FAMILY`), the owner, then ``-`` and mkdtemp's random part.
+_FOLDER = re.compile(r"(?:[a-z]+-)*" + OWNER + r"-[A-Za-z0-9_]+")
 
 
 def this_host() -> str:
@@ -114,16 +118,19 @@ def ended(pid: int, start: str, host: str) -> bool:
 
 def make(prefix: str, root: str | os.PathLike[str] | None = None) -> Path:
     """A new private folder ``<prefix><pid>.<start>@<host>-<random>`` under ``root`` (the
-    temporary folder by default), after removing the ones of dead launchers there."""
-    remove_stale(prefix, root)
+    temporary folder by default), after removing those of dead launchers there: of every
+    kind when ``prefix`` is one of the :data:`FAMILY` (a killed ``ddp`` launcher's folders
+    go at the next launch, whichever backend it uses)."""
+    remove_stale(FAMILY if prefix.startswith(FAMILY) else prefix, root)
     folder = Path(tempfile.mkdtemp(prefix=f"{prefix}{owner()}-", dir=root))
     os.chmod(folder, 0o700)  # mkdtemp's mode, said here: the folder holds the user's job
     return folder
 
 
 def launcher_of(name: str, prefix: str) -> tuple[int, str, str] | None:
-    """``(pid, start, host)`` of the launcher that made folder ``name``; ``None`` when the
-    name is not one :func:`make` gives."""
+    """``(pid, start, host)`` of the launcher that made folder ``name`` (``prefix`` and what
+    follows of its kind: ``cardcage-workers-`` or :data:`FAMILY`); ``None`` when the name is
+    not one :func:`make` gives."""
     found = _FOLDER.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
     if found is None:
         return None
