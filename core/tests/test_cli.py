@@ -252,10 +252,13 @@ def installed_sleepy(site: Path) -> Path:
     return site
 
 
-def test_a_slow_availability_check_is_named_while_it_runs_and_timed(tmp_path: Path) -> None:
-    """``cardcage plugins`` with an installed plugin whose check takes longer than
-    SLOW_CHECK_S: stderr names the check while it still runs (the command is not silent),
-    and the listing shows how long it took."""
+SLEEPY_CHECK = "plugin sleepy's availability check of backend 'sleepy'"
+
+
+def _run_beside_a_slow_check(tmp_path: Path, *arguments: str) -> tuple[str, bool, str, str, int]:
+    """``python ARGUMENTS`` with an installed plugin whose check takes longer than
+    SLOW_CHECK_S: stderr's first line, whether the process still ran when it came, the rest
+    of stdout and stderr, and the exit status."""
     site = installed_sleepy(tmp_path / "site")
     seconds = plugins.SLOW_CHECK_S + 1.5
     clean = {
@@ -265,7 +268,7 @@ def test_a_slow_availability_check_is_named_while_it_runs_and_timed(tmp_path: Pa
     }
     env = {**clean, "PYTHONPATH": str(site), "SLEEPY_SECONDS": str(seconds)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "cardcage", "plugins"],
+        [sys.executable, *arguments],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -279,13 +282,22 @@ def test_a_slow_availability_check_is_named_while_it_runs_and_timed(tmp_path: Pa
     finally:
         process.kill()
         process.wait()
-    check = "plugin sleepy's availability check of backend 'sleepy'"
-    assert first == f"cardcage: waiting for {check} (5 s so far)\n", first + rest
+    return first, still_running, stdout, rest, process.returncode
+
+
+def test_a_slow_availability_check_is_named_while_it_runs_and_timed(tmp_path: Path) -> None:
+    """``cardcage plugins`` with an installed plugin whose check takes longer than
+    SLOW_CHECK_S: stderr names the check while it still runs (the command is not silent),
+    and the listing shows how long it took."""
+    first, still_running, stdout, rest, code = _run_beside_a_slow_check(
+        tmp_path, "-m", "cardcage", "plugins"
+    )
+    assert first == f"cardcage: waiting for {SLEEPY_CHECK} (5 s so far)\n", first + rest
     assert still_running  # named while it ran, not afterwards
-    assert f"cardcage: {check} returned after 6." in rest, rest
+    assert f"cardcage: {SLEEPY_CHECK} returned after 6." in rest, rest
     (line,) = [ln for ln in stdout.splitlines() if ln.strip().startswith("sleepy ")]
     assert "[cardcage-sleepy 0.1.0]  available: woke up  (availability check: 6." in line, line
-    assert process.returncode == 0
+    assert code == 0
 
 
 @pytest.mark.parametrize(
@@ -302,34 +314,11 @@ def test_a_slow_availability_check_is_named_while_selection_waits_for_it(
     """``cardcage explain`` and the Trainer constructor wait for the same installed plugin's
     slow check: stderr names it while it still runs, and says when it returned; the command
     goes on to succeed."""
-    site = installed_sleepy(tmp_path / "site")
-    seconds = plugins.SLOW_CHECK_S + 1.5
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(STEERING_PREFIXES) and k not in STEERING_NAMES
-    }
-    env = {**clean, "PYTHONPATH": str(site), "SLEEPY_SECONDS": str(seconds)}
-    process = subprocess.Popen(
-        [sys.executable, *command],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    try:
-        first = process.stderr.readline()
-        still_running = process.poll() is None
-        _, rest = process.communicate(timeout=120)
-    finally:
-        process.kill()
-        process.wait()
-    check = "plugin sleepy's availability check of backend 'sleepy'"
-    assert first == f"cardcage: waiting for {check} (5 s so far)\n", first + rest
+    first, still_running, _, rest, code = _run_beside_a_slow_check(tmp_path, *command)
+    assert first == f"cardcage: waiting for {SLEEPY_CHECK} (5 s so far)\n", first + rest
     assert still_running  # named while it ran, not afterwards
-    assert f"cardcage: {check} returned after 6." in rest, rest
-    assert process.returncode == 0, rest
+    assert f"cardcage: {SLEEPY_CHECK} returned after 6." in rest, rest
+    assert code == 0, rest
 
 
 def test_every_check_is_timed_and_a_quick_one_is_not_named(
