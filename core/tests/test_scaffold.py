@@ -158,3 +158,20 @@ def test_distributed_writes_a_backend_of_one_rank_per_process(tmp_path: Path) ->
     conformance = (folder / "tests/test_conformance.py").read_text()
     assert '"num_processes": 2}, world_size=2)' in conformance
     assert "tests/test_acme.py" in files
+
+
+def test_each_readme_describes_the_backend_its_module_is(tmp_path: Path) -> None:
+    """Each scaffold's README says what its own module does: one process on the CPU, or one
+    rank per process on one node or several, subclassing the SDK's DistributedAccelerator."""
+    _, single, _ = scaffold.new_plugin("acme", tmp_path / "single")
+    _, ranks, _ = scaffold.new_plugin("acme", tmp_path / "ranks", distributed=True)
+    one = (single / "README.md").read_text()
+    many = (ranks / "README.md").read_text()
+    assert "trains in the calling process on the CPU" in one
+    assert "`num_nodes > 1` it is an error" in one
+    assert "`cardcage new-plugin acme --distributed`" in many
+    assert "calling process" not in many and "is an error" not in many
+    assert "one node or several" in many and "DistributedDataParallel" in many
+    for readme in (one, many):
+        assert "cardcage.distributed" not in readme
+        assert "`DistributedAccelerator`" in readme and "`cardcage.sdk`" in readme

@@ -60,6 +60,35 @@ LAUNCHES = {
     "world_size=2),",
 }
 
+#: The README's sentences that differ between the two kinds of plugin (``$flag``,
+#: ``$summary``, ``$nodes``, ``$tests`` and ``$subclass`` in the template).
+README = {
+    False: {
+        "flag": "",
+        "summary": "It trains in the calling process on the CPU, with the core's training loop,\n"
+        "the way the `cpu` backend does; make `$module.py` train on your device.",
+        "nodes": "It trains one process: with `num_nodes > 1` it is an error that says to\n"
+        "  use `ddp`.",
+        "tests": 'They train a small model through `Trainer(distributed_backend="$name")`\n'
+        "against a plain PyTorch loop; the conformance kit (`tests/test_conformance.py`) trains\n"
+        "it in this process and checks its checkpoints and failures.",
+        "subclass": "Subclass `DistributedAccelerator` (from `cardcage.sdk`) for one\n"
+        "  `torch.distributed` rank per process: `cardcage new-plugin --distributed` starts there.",
+    },
+    True: {
+        "flag": " --distributed",
+        "summary": "It trains `num_processes` processes per node, one `torch.distributed`\n"
+        "rank each (gloo on the CPU, NCCL on GPUs), its model wrapped in DistributedDataParallel,\n"
+        "the way the `ddp` backend does; make `$module.py` train on your device.",
+        "nodes": "It trains one rank per process on one node or several (`num_nodes`), the\n"
+        "  processes started by its launcher (`ScriptLauncher`), by torchrun or by SLURM.",
+        "tests": "The conformance kit (`tests/test_conformance.py`) trains it in two processes\n"
+        "against a plain PyTorch loop and checks its checkpoints and failures.",
+        "subclass": "It subclasses `DistributedAccelerator`, imported from `cardcage.sdk` like\n"
+        "  every name it uses; override `setup_process`, `wrap` or `launcher` there.",
+    },
+}
+
 
 @dataclass(frozen=True)
 class PluginNames:
@@ -150,6 +179,9 @@ def render(names: PluginNames) -> dict[str, str]:
     folder = resources.files("cardcage").joinpath("templates", "plugin")
     values = {key: str(value) for key, value in asdict(names).items()}
     values["launches"] = LAUNCHES[names.distributed]
+    values |= {
+        key: Template(text).substitute(values) for key, text in README[names.distributed].items()
+    }
     chosen = DISTRIBUTED if names.distributed else {}
     return {
         target.format(module=names.module, name=names.name): Template(
