@@ -35,11 +35,16 @@ def _loaders(value: Any) -> list[Any]:
 class Trainer:
     """Train a model on the backend the flags and the environment select.
 
-    The flags are DESIGN.md's (``gpus``, ``tpu_cores``, ``num_processes``, ``num_nodes``,
-    ``distributed_backend``, ``precision``, ``max_epochs``, ``max_steps``, ...). Every one is
-    checked here: a bad one raises :class:`~cardcage.MisconfigurationError` before any
-    process, port or CUDA context exists. ``progress_bar``: ``None`` shows a bar on rank 0
-    when stderr is a terminal; ``True``/``False`` force it.
+    The flags: ``gpus``, ``tpu_cores``, ``num_processes``, ``num_nodes``,
+    ``distributed_backend``, ``auto_select_gpus``, ``log_gpu_memory``, ``sync_batchnorm``,
+    ``benchmark``, ``replace_sampler_ddp``, ``precision``, ``max_epochs``, ``max_steps``,
+    ``default_root_dir``, ``resume_from_checkpoint``, ``max_restarts``,
+    ``checkpoint_every_n_steps``, ``terminate_on_nan`` and ``progress_bar``; the "Flags"
+    section of the documentation's "Choosing a backend" page (docs/choosing-a-backend.md)
+    gives each one's default and meaning. Every one is checked here: a bad one raises
+    :class:`~cardcage.MisconfigurationError` before any process, port or CUDA context
+    exists. ``progress_bar``: ``None`` shows a bar on rank 0 when stderr is a terminal;
+    ``True``/``False`` force it.
     """
 
     def __init__(
