@@ -10,6 +10,8 @@
   defines it, and shown with its signature, its docstring and, for a class, its public
   attributes and methods. An exported class or function without a docstring stops the build
   (constants are shown as their assignment and need none).
+- Both references replace the stand-ins committed at ``docs/reference/``, which point a
+  reader of the Markdown sources to the source files, so links to them work there too.
 - A line ``<!-- cardcage:readme plugins/<name>/README.md -->`` in a page is replaced by that
   README, less its title; ``shift=N`` after the path moves its headings N levels down. Its
   links to files outside docs/ become plain text (mkdocs cannot link there), and its links
@@ -707,9 +709,17 @@ def on_config(config: MkDocsConfig) -> MkDocsConfig:
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    content = render_reference(load_spec())
-    files.append(File.generated(config, REFERENCE, content=content))
-    files.append(File.generated(config, SDK_REFERENCE, content=render_sdk_reference()))
+    """The two generated references replace their committed stand-ins, which exist so that a
+    link to ``reference/sdk.md`` or ``reference/hooks.md`` also works in the Markdown sources
+    (on GitHub, in an editor), where the stand-in points to the source file."""
+    for uri, content in (
+        (REFERENCE, render_reference(load_spec())),
+        (SDK_REFERENCE, render_sdk_reference()),
+    ):
+        stand_in = files.get_file_from_path(uri)
+        if stand_in is not None:
+            files.remove(stand_in)
+        files.append(File.generated(config, uri, content=content))
     return files
 
 
