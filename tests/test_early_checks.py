@@ -1,4 +1,4 @@
-"""Checkpoint flags checked early, and checkpoint writes that fail saying why (issue 16).
+"""Checkpoint flags checked early, and checkpoint writes that fail saying why.
 
 - ``default_root_dir`` is checked when the Trainer is made: a folder that is, or can be
   made, writable (a file, a read-only mount, a place under /proc or /sys is refused).
@@ -42,7 +42,7 @@ import cardcage
 from cardcage import checkpoint, requeue, sdk
 from cardcage.testing import harness as kit_harness
 
-#: A bad input must fail this fast (it used to fail after the ranks started: 4 s and more).
+#: A bad input must fail this fast: before the ranks start, which takes 4 s and more.
 FAST_S = 3.0
 
 

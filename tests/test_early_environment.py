@@ -2,12 +2,11 @@
 called ``fit``, before any process is started: a rendezvous host that does not resolve, a
 ``MASTER_PORT`` already in use, a ``CARDCAGE_*`` timeout longer than torch can wait.
 
-Measured before: ``MASTER_ADDR=no-such-host.invalid`` with a two-process ``ddp`` job failed
-after 301 s with "rank 1 never arrived", the DNS cause unnamed, and with ``MASTER_PORT`` too
-it was still running at 330 s; a port in use failed with ``EADDRINUSE`` from a worker, 5-8 s
-in; ``CARDCAGE_TIMEOUT=1e10`` started the workers, which timed out at once. Each job here is
-a real script in a fresh process; every process it starts carries the harness's marker, and
-a scan of ``/proc`` finds any left.
+Caught late, each costs minutes and hides its cause: a rendezvous host that does not
+resolve leaves the ranks waiting for each other until the rendezvous times out, a port in
+use fails in a worker with ``EADDRINUSE``, and a timeout torch cannot wait makes the workers
+time out at once. Each job here is a real script in a fresh process; every process it
+starts carries the harness's marker, and a scan of ``/proc`` finds any left.
 """
 
 from __future__ import annotations

@@ -293,7 +293,8 @@ def test_a_loader_used_up_after_the_first_epoch_warns() -> None:
 
 
 def test_a_loader_used_up_with_max_steps_fails_instead_of_spinning() -> None:
-    # Before: max_epochs=None with max_steps ran empty epochs for ever.
+    # With max_epochs=None, max_steps alone ends training: without a step, epochs would
+    # follow each other for ever.
     with pytest.raises(MisconfigurationError) as error:
         fit(Net(), batches(loader(8)), max_epochs=None, max_steps=20)
     message = str(error.value)

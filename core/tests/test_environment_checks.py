@@ -3,7 +3,7 @@
 calling process with a message that names the variable, its value and the fix.
 
 The cases of the table in test_misconfiguration.py are the one-line ones; here are the
-acceptance cases of issue 16, what must still pass, and what needs more than ``select``.
+cases that need a whole scenario, what must still pass, and what needs more than ``select``.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_a_plugin_environments_rank_out_of_range_is_refused(
 def test_a_bad_init_timeout_is_refused_by_the_trainer(
     cuda_count_0: int, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    # It used to pass the constructor and fail at fit.
+    # Refused by the constructor, not later by fit, when processes already exist.
     monkeypatch.setenv("CARDCAGE_INIT_TIMEOUT", value)
     with pytest.raises(MisconfigurationError, match=f"CARDCAGE_INIT_TIMEOUT='{value}'"):
         cardcage.Trainer(distributed_backend="ddp_spawn", num_processes=2)

@@ -1,4 +1,4 @@
-"""``cardcage submit`` / ``SlurmJob.submit`` on the private two-node cluster (issue 9).
+"""``cardcage submit`` / ``SlurmJob.submit`` on the private two-node cluster.
 
 Every job runs ``train`` of tests/slurm/scripts/submit_train.py through submitit: each task
 returns what SLURM gave it, what cardcage selected and what the process group used; rank 0
