@@ -17,7 +17,7 @@ from typing import Any
 
 import plugin_install
 import pytest
-from plugin_install import describe, pip_install, run
+from plugin_install import describe, pip_install, run, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +132,28 @@ def test_the_distributed_template_is_listed_selected_and_passes_the_kit(
     output = own_tests(acme_distributed)
     # 4 of its own and the kit's, with two processes started by script relaunch.
     assert "25 passed" in output and "skipped" not in output, output
+
+
+def test_the_kit_fails_a_suite_whose_launch_trains_another_backend(
+    acme_distributed: Generated,
+) -> None:
+    """A suite for acme whose launch names ddp trains ddp, not acme: its training checks fail
+    and say so, naming both, rather than pass on ddp's results."""
+    suite = acme_distributed.project / "tests" / "test_conformance.py"
+    original = suite.read_text()
+    assert '{"distributed_backend": NAME, "num_processes": 2}' in original
+    suite.write_text(
+        original.replace('{"distributed_backend": NAME,', '{"distributed_backend": "ddp",')
+    )
+    try:
+        command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite), "-k", "lifecycle"]
+        env = child_env(acme_distributed.site)
+        result = run_python(command, acme_distributed.project, env, timeout=600)
+    finally:
+        suite.write_text(original)
+    assert result.returncode != 0, describe(result)
+    assert "the suite tests 'acme' but its launch" in result.stdout, describe(result)
+    assert "trained 'ddp'" in result.stdout, describe(result)
 
 
 TRAIN = textwrap.dedent(

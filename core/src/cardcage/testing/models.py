@@ -72,7 +72,13 @@ class Tracer:
     def cardcage_setup_process(self, trainer: Any, accelerator: Any) -> Generator[None, Any, Any]:
         current.trainer = trainer
         result = yield
-        record("setup_process", rank=accelerator.global_rank, world=accelerator.world_size)
+        record(
+            "setup_process",
+            rank=accelerator.global_rank,
+            world=accelerator.world_size,
+            accelerator=trainer.selection.accelerator,
+            rule=trainer.selection.rule,
+        )
         return result
 
     @hookimpl(wrapper=True)

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from cardcage import plugins
+from cardcage.rules import rule_name
 from cardcage.testing import reference
 from cardcage.testing.harness import Harness
 from cardcage.testing.models import UNEVEN_SAMPLES, make_net
@@ -68,9 +70,36 @@ class TrainingChecks(SuiteBase):
             left = harness.cleanup()
             assert not left, f"processes left behind: {left}"
 
+    def assert_backend_trained(self, job: JobOutput) -> None:
+        """Every training process of the launch ran this suite's backend (or another backend
+        of its plugin, such as a spawn variant); with no backend named, one of that backend's
+        rules chose it. A launch that trains another backend proves nothing about this one."""
+        registry = plugins.registry({"CARDCAGE_PLUGINS_AUTOLOAD": "1"})
+        own = registry.canonical(self.backend) or self.backend
+        processes = [
+            e for events in job.traces().values() for e in events if e["event"] == "setup_process"
+        ]
+        assert processes, f"no training process was traced\n{job.output}"
+        for event in processes:
+            trained = event["accelerator"]
+            found = registry.accelerators.get(trained)
+            ours = trained == own or (found is not None and found.plugin == self.entry_point())
+            assert ours, (
+                f"the suite tests {self.backend!r} but its launch {job.launch.flags} trained "
+                f"{trained!r} (rank {event['rank']}, scenario {event['scenario']}): name "
+                f"{self.backend!r} in the launch's flags"
+            )
+            if "distributed_backend" not in job.launch.flags and found is not None:
+                rules = {rule_name(rule, found.cls) for rule in found.cls.rules}
+                assert event["rule"] in rules, (
+                    f"the suite tests {self.backend!r}, whose launch names no backend, but "
+                    f"rule {event['rule']!r} chose {trained!r}, not one of {sorted(rules)}"
+                )
+
     def test_trains_like_a_plain_loop(self, kit_job: JobOutput, scenario: str) -> None:
         """Weights equal a plain loop's at batch = world size x per-process batch."""
         self.skip_unsupported(scenario)
+        self.assert_backend_trained(kit_job)
         result = kit_job.result(scenario)
         wanted = expected(scenario, kit_job.launch.world_size, self.batch_size)
         for key, weights in wanted.items():
@@ -79,6 +108,7 @@ class TrainingChecks(SuiteBase):
     def test_lifecycle(self, kit_job: JobOutput) -> None:
         """setup then train once per fit in the caller; in each training process,
         setup_process before configure_optimizers and one teardown."""
+        self.assert_backend_trained(kit_job)
         traces = kit_job.traces()
         assert traces, f"nothing was traced\n{kit_job.output}"
         for where, events in traces.items():
@@ -103,6 +133,7 @@ class TrainingChecks(SuiteBase):
         self.skip_unsupported("sgd")
         result = kit_job.result("sgd")
         assert result["class"] == "KitModel"
+        self.assert_backend_trained(kit_job)
         assert result["plain_tensors"], "the model's parameters are not plain tensors after fit"
         metrics = reference.metrics(result["weights"])
         for key, value in (("val_loss", result["val_loss"]), ("validate", result["validate"])):
@@ -111,6 +142,7 @@ class TrainingChecks(SuiteBase):
 
     def test_checkpoints_load_with_weights_only(self, kit_job: JobOutput) -> None:
         self.skip_unsupported("checkpoint", "max_steps")
+        self.assert_backend_trained(kit_job)
         shapes = {k: tuple(v.shape) for k, v in make_net(0).state_dict().items()}
         for name in ("after_fit.ckpt", "max_steps.ckpt", "in_step.ckpt"):
             path = Path(kit_job.out / name)
@@ -130,6 +162,7 @@ class TrainingChecks(SuiteBase):
         try:
             output = run_job(harness, declared, ["fail"], tmp_path / "out", self.batch_size)
             assert output.returncode != 0, output.output
+            self.assert_backend_trained(output)
             # the whole output: a long traceback of another rank may follow the failing one's
             full = "".join(run.stdout + run.stderr for run in harness.runs)
             assert "injected failure on rank 1" in full, output.output
@@ -141,4 +174,5 @@ class TrainingChecks(SuiteBase):
 
     def test_leaves_no_process_or_folder(self, kit_job: JobOutput) -> None:
         assert kit_job.returncode == 0, kit_job.output
+        self.assert_backend_trained(kit_job)
         kit_job.harness.assert_no_leftovers()
