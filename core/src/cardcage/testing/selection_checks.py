@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
 import pytest
 
+import cardcage
 from cardcage.testing.suite import ENVIRONMENTS, SuiteBase
 
 # Runs in a fresh interpreter: loads the plugin alone, strictly, and prints what it found.
@@ -85,24 +87,50 @@ class SelectionChecks(SuiteBase):
     @pytest.mark.parametrize("environment", sorted(ENVIRONMENTS))
     def test_rule_matrix(self, environment: str) -> None:
         """Named or not, in each environment: a Selection (JSON-safe, explained with this
-        backend's rules) or a MisconfigurationError that says what to do, nothing else."""
+        backend's rules) with the rank, world size and rule the environment and flags call
+        for, or a MisconfigurationError that names a flag or variable, nothing else."""
         import cardcage
         from cardcage import plugins
+        from cardcage.rules import rule_name
 
         env = {**self.alone(), **ENVIRONMENTS[environment]}
-        cls = plugins.registry(env).accelerators[self.backend].cls
+        registry = plugins.registry(env)
+        cls = registry.accelerators[self.backend].cls
         for flags in ({"distributed_backend": self.backend}, {}, {"num_nodes": 2}):
+            where = f"{flags} in {environment}"
             try:
                 selection = cardcage.select(env=env, **flags)
             except cardcage.MisconfigurationError as error:
-                assert len(str(error)) > 20, f"{flags} in {environment}: a bare error: {error}"
+                named = [*FLAGS, *ENVIRONMENTS[environment], "MASTER_ADDR", "MASTER_PORT"]
+                assert any(name in str(error) for name in named), (
+                    f"{where}: the error names none of {named}: {error}"
+                )
                 continue
             json.dumps(selection.as_dict())
             text = selection.explain()
             for rule in cls.rules:
-                assert (rule.name or "") in text, f"explain() does not list {rule}: {text}"
-            assert selection.world_size >= 1
-            assert 0 <= selection.global_rank < selection.world_size, selection.as_dict()
+                name = rule_name(rule, cls)
+                assert name in text, f"{where}: explain() does not list rule {name}: {text}"
+            chosen = registry.accelerators.get(selection.accelerator)
+            assert chosen is not None, f"{where}: {selection.accelerator!r} is not installed"
+            if "distributed_backend" in flags:
+                ours = chosen.plugin == registry.accelerators[self.backend].plugin
+                assert ours and selection.rule == "distributed_backend", (
+                    f"{where}: {self.backend!r} was named, but rule {selection.rule!r} chose "
+                    f"{selection.accelerator!r}"
+                )
+            else:
+                rules = {rule_name(rule, chosen.cls) for rule in chosen.cls.rules}
+                assert selection.rule in rules, (
+                    f"{where}: rule {selection.rule!r} is none of {selection.accelerator!r}'s "
+                    f"{sorted(rules)}"
+                )
+            expected = _expected_place(environment, selection)
+            found = (selection.global_rank, selection.world_size, selection.node_rank)
+            assert found == expected, (
+                f"{where}: (rank, world size, node rank) {found}, expected {expected} "
+                f"({selection.cluster}): {selection.as_dict()}"
+            )
 
     def _run(self, code: str, argument: str, alone: bool = True, **env: str) -> Any:
         import os
@@ -117,3 +145,31 @@ class SelectionChecks(SuiteBase):
             text=True,
             timeout=300,
         )
+
+
+#: What an error may name for the user to change: a Trainer flag or a launcher's variable.
+FLAGS = tuple(
+    name
+    for name, parameter in inspect.signature(cardcage.Trainer).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY or parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+)
+
+#: The launcher each fake environment stands for, and the rank of 2 it gives this process.
+LAUNCHERS = {"torchrun_rank1": "torchelastic", "slurm": "slurm", "horovodrun": "horovod"}
+
+
+def _expected_place(environment: str, selection: Any) -> tuple[int, int, int]:
+    """(global rank, world size, node rank) that ``environment`` calls for: rank 1 of 2 where
+    its launcher started the processes (torchrun and horovodrun always do; SLURM where its
+    task count is the job's), otherwise this node's first rank of num_nodes x per-node
+    processes (node 1 under ``NODE_RANK=1``)."""
+    launcher = LAUNCHERS.get(environment)
+    if launcher is not None and (environment != "slurm" or selection.cluster == "slurm"):
+        assert selection.cluster == launcher and selection.processes_created_outside, (
+            f"{launcher} started these processes, but the selection's cluster is "
+            f"{selection.cluster!r}: {selection.as_dict()}"
+        )
+        return (1, 2, selection.node_rank)
+    node = 1 if environment == "two_nodes" else 0
+    per_node = selection.num_processes
+    return (node * per_node, selection.num_nodes * per_node, node)
