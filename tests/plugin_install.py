@@ -95,3 +95,27 @@ def pip_install(target: Path, sources: Sequence[Path], what: str) -> None:
             return
         failures.append(describe(result))
     pytest.fail(f"could not pip-install {what}:\n" + "\n".join(failures))
+
+
+def plugin_source(root: Path, entry_point: str, module_source: str) -> Path:
+    """A source tree of the plugin distribution ``cardcage-<entry_point>``: one module,
+    ``cardcage_<entry_point>.py`` holding ``module_source``, registered under that entry
+    point, built by hatchling. Returns the folder to give :func:`pip_install`."""
+    module = f"cardcage_{entry_point}"
+    folder = root / f"cardcage-{entry_point}"
+    folder.mkdir(parents=True)
+    (folder / "pyproject.toml").write_text(
+        "[build-system]\n"
+        'requires = ["hatchling>=1.18"]\n'
+        'build-backend = "hatchling.build"\n\n'
+        "[project]\n"
+        f'name = "cardcage-{entry_point}"\n'
+        'version = "0.1.0"\n'
+        'requires-python = ">=3.10"\n\n'
+        "[project.entry-points.cardcage]\n"
+        f'{entry_point} = "{module}"\n\n'
+        "[tool.hatch.build.targets.wheel]\n"
+        f'only-include = ["{module}.py"]\n'
+    )
+    (folder / f"{module}.py").write_text(module_source)
+    return folder

@@ -9,26 +9,9 @@ from pathlib import Path
 
 import plugin_install
 import pytest
-from plugin_install import describe, pip_install
+from plugin_install import describe, pip_install, plugin_source
 
 pytestmark = pytest.mark.slow
-
-PYPROJECT = """
-[build-system]
-requires = ["hatchling>=1.18"]
-build-backend = "hatchling.build"
-
-[project]
-name = "cardcage-leaky"
-version = "0.1.0"
-requires-python = ">=3.10"
-
-[project.entry-points.cardcage]
-leaky = "cardcage_leaky"
-
-[tool.hatch.build.targets.wheel]
-only-include = ["cardcage_leaky.py"]
-"""
 
 # Its availability asks a helper process and a thread, and waits for both: nothing is left.
 LEAKY = """
@@ -66,10 +49,7 @@ def test_a_backend_that_starts_and_ends_a_process_while_selecting_fails(tmp_path
     """Counting what is open after select misses a process or thread that already ended;
     the kit watches what is started."""
     site = tmp_path / "site"
-    source = tmp_path / "src"
-    source.mkdir()
-    (source / "pyproject.toml").write_text(PYPROJECT)
-    (source / "cardcage_leaky.py").write_text(LEAKY)
+    source = plugin_source(tmp_path / "src", "leaky", LEAKY)
     pip_install(site, [source], "the leaky plugin")
     (tmp_path / "test_leaky.py").write_text(SUITE)
     env = plugin_install.child_env(
