@@ -8,7 +8,7 @@
   plugins and the extension cardcage-submit (`cardcage submit`, on submitit) installed.
 - docs: the documentation site (mkdocs.yml, docs/) built with `mkdocs build --strict` into
   .nox/docs/tmp/site: any warning fails it, a broken link or anchor included, and so does a
-  hook of core/src/cardcage/spec.py without a docstring (the hook reference is generated
+  hook of core/src/cardcage/plugins/spec.py without a docstring (the hook reference is generated
   from them). It installs the `docs` extra of pyproject.toml and pluggy, not torch.
 - build: the sdist and wheel of every distribution (the meta-distribution, core, the nine
   plugins, cardcage-submit: twelve of each) into dist/, emptied first, each wheel built from
@@ -138,8 +138,9 @@ def core(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """mkdocs build --strict: the site, with the hook reference generated from cardcage.spec."""
-    # docs/_hooks/cardcage_docs.py loads core/src/cardcage/spec.py by path, which needs
+    """mkdocs build --strict: the site, with the hook reference generated from
+    cardcage.plugins.spec."""
+    # docs/_hooks/cardcage_docs.py loads core/src/cardcage/plugins/spec.py by path, which needs
     # pluggy alone: the core's pluggy requirement, without torch.
     core_project = nox.project.load_toml(ROOT / "core/pyproject.toml")["project"]
     pluggy = [d for d in core_project["dependencies"] if Requirement(d).name == "pluggy"]

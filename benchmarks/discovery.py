@@ -74,7 +74,7 @@ CHILD = textwrap.dedent(
         t3 = time.perf_counter()
         c3 = time.process_time()
         gc.callbacks.remove(gc_clock)
-        from cardcage import plugins
+        from cardcage.plugins import manager as plugins
         registry = plugins.registry(os.environ)
         result.update(
             import_cardcage=t2 - t1,

@@ -22,7 +22,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage import checkpoint, restarts, tempdirs
+from cardcage.backend.launch import restarts
+from cardcage.checkpoints import io as checkpoint
+from cardcage.checkpoints import validation
+from cardcage.config import owners
 
 BATCHES_PER_EPOCH = 8
 
@@ -200,7 +203,7 @@ def test_checkpoint_contents(tmp_path: Path) -> None:
     trainer.fit(model, loader())
     trainer.save_checkpoint(tmp_path / "sub" / "c.ckpt")  # the folder is created
     state = checkpoint.load(tmp_path / "sub" / "c.ckpt")
-    assert state["format"] == checkpoint.FORMAT
+    assert state["format"] == validation.FORMAT
     assert state["cardcage_version"] == cardcage.__version__
     assert (state["epoch"], state["global_step"], state["batch_idx"]) == (1, BATCHES_PER_EPOCH, 0)
     for key, value in model.state_dict().items():
@@ -292,7 +295,7 @@ def test_a_folder_is_refused_as_a_sharded_checkpoint_the_default_backend_cannot_
 def test_a_backend_may_write_and_read_a_format_of_its_own(tmp_path: Path) -> None:
     """Trainer.save_checkpoint and resume go through the backend's save_checkpoint and
     load_checkpoint (here: a folder with the model apart from the loop's state)."""
-    from cardcage.strategy import Strategy
+    from cardcage.backend.strategy.strategy import Strategy
 
     class Folder(Strategy):
         def save_checkpoint(self, trainer: Any, path: Any) -> None:
@@ -334,7 +337,7 @@ STALL_WRITES = textwrap.dedent(
     """
     import io, os, sys, time
     import torch
-    from cardcage import checkpoint
+    from cardcage.checkpoints import io as checkpoint
 
     real_fdopen = os.fdopen
 
@@ -483,7 +486,7 @@ def test_partial_files_of_killed_writers_are_cleared_when_fit_starts(tmp_path: P
     live = stalled_writer(tmp_path / "last.ckpt")
     try:
         writing = [name for name in partial_files(tmp_path) if name != left]
-        assert len(writing) == 1 and f".{tempdirs.owner(live.pid)}." in writing[0]
+        assert len(writing) == 1 and f".{owners.owner(live.pid)}." in writing[0]
         cardcage.Trainer(default_root_dir=tmp_path, max_steps=1, progress_bar=False).fit(
             fresh_model(), loader()
         )
@@ -500,9 +503,9 @@ def test_a_partial_file_is_a_dead_writers_when_its_pid_now_names_another_process
     whose pid now belongs to a process that started at another time (this one) was left by a
     writer that is gone, and is cleared; this process's own file, and one of another host,
     are kept."""
-    pid, host = os.getpid(), tempdirs.this_host()
+    pid, host = os.getpid(), owners.this_host()
     reused = tmp_path / f".last.ckpt.{pid}.1@{host}.abc_123.tmp"
-    own = tmp_path / f".last.ckpt.{tempdirs.owner()}.def456.tmp"
+    own = tmp_path / f".last.ckpt.{owners.owner()}.def456.tmp"
     other_host = tmp_path / f".last.ckpt.{pid}.1@another-host.ghi789.tmp"
     for path in (reused, own, other_host):
         path.write_bytes(b"part of a checkpoint")

@@ -64,7 +64,7 @@ PROBE = textwrap.dedent(
     """\
     import json, os, sys
     import cardcage
-    from cardcage import plugins
+    from cardcage.plugins import manager as plugins
 
     selection = cardcage.select(**json.loads(sys.argv[1]))
     registry = plugins.registry(os.environ)

@@ -39,8 +39,11 @@ from processes import watching_children
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage import checkpoint, requeue, sdk
+from cardcage import sdk
+from cardcage.checkpoints import io as checkpoint
+from cardcage.checkpoints import validation
 from cardcage.testing import harness as kit_harness
+from cardcage.train import requeue
 
 #: A bad input must fail this fast: before the ranks start, which takes 4 s and more.
 FAST_S = 3.0
@@ -280,7 +283,7 @@ def test_a_bad_checkpoint_file_is_named_with_what_is_wrong(
 
 def test_a_refused_checkpoint_names_what_torch_refused(tmp_path: Path) -> None:
     path = tmp_path / "evil.ckpt"
-    torch.save({"format": checkpoint.FORMAT, "extra": Payload()}, path)
+    torch.save({"format": validation.FORMAT, "extra": Payload()}, path)
     with pytest.raises(cardcage.MisconfigurationError) as raised:
         checkpoint.load(path)
     message = str(raised.value)
@@ -344,7 +347,7 @@ def sharded_folder(folder: Path, model: Net, loop: dict[str, Any] | None) -> Pat
 
     dcp.save({"model": model.state_dict(), "optimizers": {}}, checkpoint_id=folder)
     if loop is not None:
-        checkpoint.save_atomic(loop, folder / checkpoint.LOOP_FILE)
+        checkpoint.save_atomic(loop, folder / validation.LOOP_FILE)
     return folder
 
 
@@ -368,7 +371,7 @@ def test_a_sharded_folder_that_fits_passes_the_check(
     tmp_path: Path, loop_state: dict[str, Any]
 ) -> None:
     folder = sharded_folder(tmp_path / "sharded.ckpt", Net(), loop_state)
-    checked = checkpoint.check_resume(folder, Net(), reads_folders=True, backend="fsdp")
+    checked = validation.check_resume(folder, Net(), reads_folders=True, backend="fsdp")
     assert checked.path == str(folder) and checked.payload is None
 
 
@@ -388,12 +391,12 @@ def test_a_bad_sharded_folder_is_refused_before_any_process_starts(
         says = "torch.distributed.checkpoint folder without loop.pt"
     elif case == "truncated loop.pt":
         sharded_folder(folder, Net(), loop_state)
-        loop = folder / checkpoint.LOOP_FILE
+        loop = folder / validation.LOOP_FILE
         loop.write_bytes(loop.read_bytes()[:200])
         says = "(its loop.pt) is truncated or not a torch file"
     elif case == "broken .metadata":
         sharded_folder(folder, Net(), loop_state)
-        (folder / checkpoint.DCP_METADATA).write_bytes(b"\x80\x04not a pickle")
+        (folder / validation.DCP_METADATA).write_bytes(b"\x80\x04not a pickle")
         says = "its .metadata is truncated"
     else:
         sharded_folder(folder, Net(hidden=16), loop_state)
@@ -437,7 +440,7 @@ def test_a_file_that_changed_after_the_check_is_read_again(tmp_path: Path) -> No
     and modification time); a changed file is read afresh."""
     path = tmp_path / "c.ckpt"
     trained(path, max_steps=3)
-    checked = checkpoint.check_resume(path, Net(), reads_folders=False, backend="cpu")
+    checked = validation.check_resume(path, Net(), reads_folders=False, backend="cpu")
     trained(tmp_path / "other.ckpt", max_steps=5)
     os.replace(tmp_path / "other.ckpt", path)
     with checkpoint.reusing(checked):

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage import plugins
+from cardcage.plugins import manager as plugins
 
 STEPS = 4
 

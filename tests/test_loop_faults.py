@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
 from cardcage import MisconfigurationError, NonFiniteLossError
-from cardcage.loop import LOSS_CHUNK
+from cardcage.train.loop import LOSS_CHUNK
 
 F = torch.nn.functional
 

@@ -20,7 +20,7 @@ import torch
 from processes import watching_children
 
 import cardcage
-from cardcage import flags
+from cardcage.config import flags
 
 
 class Tiny(torch.nn.Module):
@@ -74,7 +74,7 @@ CHILD = textwrap.dedent(
     import torch
 
     import cardcage
-    from cardcage import flags
+    from cardcage.config import flags
 
     sys.path.insert(0, sys.argv[1])
     from test_process_limits import Tiny, loader

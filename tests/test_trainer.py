@@ -529,7 +529,7 @@ def test_progress_bar_counts_every_sample_the_short_last_batch_included(
 ) -> None:
     """samples/s reads batch sizes only when the bar redraws and at the epoch's end, yet
     counts each sample once: 10 samples in batches of 4, 4 and 2 over one second is 10/s."""
-    from cardcage import progress
+    from cardcage.train import progress
 
     clock = iter([0.0, 1.0])
     monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
@@ -549,7 +549,7 @@ def test_progress_bar_is_called_only_when_tqdm_would_look_at_its_clock(
     bar counts every step, and a fit starts no thread of tqdm's (its monitor)."""
     import threading
 
-    from cardcage import progress
+    from cardcage.train import progress
 
     calls: list[int] = []
     step = progress.ProgressBar.step
@@ -582,7 +582,7 @@ def test_progress_bar_keeps_its_pace_from_one_epoch_to_the_next(
     learned: the loop calls it about once per redraw from its first step on."""
     import tqdm.std
 
-    from cardcage import progress
+    from cardcage.train import progress
 
     now = [0.0]
     monkeypatch.setattr(tqdm.std, "time", lambda: now[0])  # 1 ms a step, 100 per redraw
@@ -694,7 +694,7 @@ def test_demo_with_a_bad_flag_exits_2_without_a_traceback(
 
 
 def test_demo_trains_in_bf16(capsys: pytest.CaptureFixture[str]) -> None:
-    from cardcage import cli
+    from cardcage.cli import main as cli
 
     assert cli.main(["demo", "--precision", "bf16", "--max-epochs", "1", "--no-progress-bar"]) == 0
     captured = capsys.readouterr()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cardcage
-from cardcage import plugins
+from cardcage.plugins import manager as plugins
 
 
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> int:

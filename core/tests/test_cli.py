@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from cardcage import Accelerator, Availability, cli, plugins
+from cardcage import Accelerator, Availability
+from cardcage.cli import main as cli
+from cardcage.plugins import manager as plugins
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,10 @@ from collections.abc import Callable
 import pytest
 
 import cardcage
-from cardcage import PluginError, cli
-from cardcage.cli import missing_command_message
-from cardcage.commands import Commands
+from cardcage import PluginError
+from cardcage.cli import main as cli
+from cardcage.cli.main import missing_command_message
+from cardcage.plugins.commands import Commands
 
 Register = Callable[[object, str], None]
 

@@ -1,4 +1,4 @@
-"""The SDK for backends on an engine other than torch.distributed (``cardcage.engines``:
+"""The SDK for backends on an engine other than torch.distributed (``cardcage.backend.engines``:
 ``EngineStrategy`` and its parts), the torch-release check of ``availability``, the
 defaults of a backend that trains on ``tpu_cores``, and a worker that reports its failure at
 once (``run_worker(..., failure_rank=...)``)."""

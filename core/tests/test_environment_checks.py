@@ -23,9 +23,12 @@ from typing import Any
 import pytest
 
 import cardcage
-from cardcage import MisconfigurationError, cluster, plugins, rendezvous, select, signals, variables
-from cardcage.environments import ClusterEnvironment
-from cardcage.plugins import PluginManager
+from cardcage import MisconfigurationError, select
+from cardcage.backend.launch import rendezvous
+from cardcage.config import variables
+from cardcage.environments.base import ClusterEnvironment
+from cardcage.plugins import manager as plugins
+from cardcage.plugins.manager import PluginManager
 
 UNRESOLVABLE = "no-such-host.invalid"  # RFC 2606: .invalid never resolves
 
@@ -213,10 +216,6 @@ def test_switches_and_signals_parse_as_documented() -> None:
     assert variables.parse_signal("usr1") is signal.SIGUSR1
     assert variables.parse_signal(str(int(signal.SIGUSR2))) is signal.SIGUSR2
     assert variables.parse_signal("none") is None
-    # the old homes of the parsers still serve them (the SDK and cardcage-submit import them)
-    assert cluster.env_switch is variables.env_switch
-    assert signals.parse_signal is variables.parse_signal
-    assert rendezvous.init_timeout is variables.init_timeout
 
 
 # --- plugin settings -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""cardcage.exits: at exit, a process waits for the process group's threads to settle."""
+"""cardcage.backend.strategy.group_exit: at exit, a process waits for the process group's
+threads to settle."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from cardcage import exits
+from cardcage.backend.strategy import group_exit as exits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -180,7 +180,7 @@ CASES = {
         "OMPI_COMM_WORLD_SIZE=2",
         env={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "5"},
     ),
-    # cardcage's own variables (cardcage.variables)
+    # cardcage's own variables (cardcage.config.variables)
     "CARDCAGE_INIT_TIMEOUT=-5": bad(
         "CARDCAGE_INIT_TIMEOUT='-5'", env={"CARDCAGE_INIT_TIMEOUT": "-5"}
     ),

@@ -17,11 +17,11 @@ from cardcage import (
     PluginError,
     Rule,
     SelectionContext,
-    plugins,
     select,
 )
-from cardcage.environments import ClusterEnvironment
-from cardcage.plugins import PluginManager
+from cardcage.environments.base import ClusterEnvironment
+from cardcage.plugins import manager as plugins
+from cardcage.plugins.manager import PluginManager
 
 Register = Callable[[object, str], None]
 

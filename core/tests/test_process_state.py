@@ -1,4 +1,4 @@
-"""What a fit changes in its process is put back when it ends (``cardcage.process_state``):
+"""What a fit changes in its process is put back when it ends (``cardcage.train.process_state``):
 each kind of setting, changed as a fit (or a backend, or the user's hooks) changes it.
 
 The whole path, real fits in a row in one process, is tested in
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from cardcage.process_state import Snapshot, as_found
+from cardcage.train.process_state import Snapshot, as_found
 
 
 def test_variables_added_changed_and_removed_are_put_back(

@@ -12,7 +12,9 @@ import pytest
 import tomllib
 
 import cardcage
-from cardcage import MisconfigurationError, cli, scaffold
+from cardcage import MisconfigurationError
+from cardcage.cli import main as cli
+from cardcage.cli import scaffold
 
 
 def test_names_derive_from_the_backend_name() -> None:
@@ -173,5 +175,5 @@ def test_each_readme_describes_the_backend_its_module_is(tmp_path: Path) -> None
     assert "calling process" not in many and "is an error" not in many
     assert "one node or several" in many and "DistributedDataParallel" in many
     for readme in (one, many):
-        assert "cardcage.distributed" not in readme
+        assert "cardcage.backend.distributed" not in readme
         assert "`DistributedAccelerator`" in readme and "`cardcage.sdk`" in readme

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from cardcage import Availability, MisconfigurationError, Selection, plugins, select
-from cardcage.environments import first_slurm_host
+from cardcage import Availability, MisconfigurationError, Selection, select
+from cardcage.environments.slurm import first_slurm_host
+from cardcage.plugins import manager as plugins
 
 MULTI_GPU_WARNING = 'Setting distributed_backend="ddp_spawn" for you.'
 HOROVOD_MISSING = importlib.util.find_spec("horovod") is None

@@ -13,7 +13,7 @@ from typing import Any
 import pluggy
 import pytest
 
-from cardcage import spec
+from cardcage.plugins import spec
 
 
 def _hookspecs() -> dict[str, Callable[..., Any]]:

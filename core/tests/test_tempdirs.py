@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from cardcage import tempdirs
+from cardcage.backend.launch import tempdirs
+from cardcage.config import owners
 
 PREFIX = "cardcage-workers-"
 
@@ -27,11 +28,11 @@ def test_a_folder_is_private_and_names_its_launcher(tmp_path: Path) -> None:
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     pid, start, host = tempdirs.launcher_of(folder.name, PREFIX) or (0, "", "")
     assert pid == os.getpid() and start.isdigit()
-    assert host == tempdirs.this_host()
+    assert host == owners.this_host()
 
 
 def test_only_folders_of_launchers_that_are_gone_are_removed(tmp_path: Path) -> None:
-    host = tempdirs.this_host()
+    host = owners.this_host()
     mine = tempdirs.make(PREFIX, root=tmp_path)
     # A dead launcher's folder, as SIGKILL leaves it, with a file in it.
     dead = tmp_path / f"{PREFIX}{ended_process()}.1@{host}-abc_123"
@@ -53,7 +54,7 @@ def test_only_folders_of_launchers_that_are_gone_are_removed(tmp_path: Path) -> 
 
 
 def test_making_a_folder_removes_the_stale_ones_first(tmp_path: Path) -> None:
-    dead = tmp_path / f"{PREFIX}{ended_process()}.1@{tempdirs.this_host()}-abc"
+    dead = tmp_path / f"{PREFIX}{ended_process()}.1@{owners.this_host()}-abc"
     dead.mkdir()
     made = tempdirs.make(PREFIX, root=tmp_path)
     assert list(tmp_path.iterdir()) == [made]
@@ -69,7 +70,7 @@ def test_a_launcher_killed_but_not_yet_reaped_has_ended(tmp_path: Path) -> None:
     more, so its folder goes (its pid and start still read as they were)."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        folder = tmp_path / f"{PREFIX}{tempdirs.owner(child.pid)}-abc"
+        folder = tmp_path / f"{PREFIX}{owners.owner(child.pid)}-abc"
         folder.mkdir()
         assert tempdirs.remove_stale(PREFIX, root=tmp_path) == []  # alive: kept
         child.kill()
@@ -86,7 +87,7 @@ def test_a_launcher_killed_but_not_yet_reaped_has_ended(tmp_path: Path) -> None:
 def test_a_launch_removes_the_dead_launchers_folders_of_every_kind(tmp_path: Path) -> None:
     """A killed ``ddp`` launcher's error files and step checkpoints go at the next launch,
     whichever backend that uses; another program's ``cardcage-*`` name is left alone."""
-    host, dead = tempdirs.this_host(), ended_process()
+    host, dead = owners.this_host(), ended_process()
     stale = [
         tmp_path / f"cardcage-{kind}-{dead}.1@{host}-abc"
         for kind in ("errors", "checkpoints", "workers")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cardcage import variables
+from cardcage.config import variables
 from cardcage.testing.harness import MARKER, Harness
 
 #: What cardcage sets for the processes a fit starts: its internal variables (the fit's

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import cardcage
-from cardcage.accelerator import Resolution
+from cardcage.backend.accelerator import Resolution
 from cardcage.testing.selection_checks import SelectionChecks
 
 

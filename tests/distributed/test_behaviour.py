@@ -18,7 +18,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import default_collate
 
 import cardcage
-from cardcage import MisconfigurationError, checkpoint, rendezvous
+from cardcage import MisconfigurationError
+from cardcage.backend.launch import rendezvous
+from cardcage.checkpoints import io as checkpoint
 
 pytestmark = pytest.mark.slow
 

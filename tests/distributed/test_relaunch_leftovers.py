@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from cardcage import tempdirs
-from cardcage.relaunch import ERRORS_PREFIX
-from cardcage.restarts import FOLDER_PREFIX as CHECKPOINTS_PREFIX
+from cardcage.backend.launch import tempdirs
+from cardcage.backend.launch.restarts import FOLDER_PREFIX as CHECKPOINTS_PREFIX
+from cardcage.backend.launch.script import ERRORS_PREFIX
+from cardcage.config import owners
 
 from .conftest import leftover_processes
 
@@ -50,8 +51,8 @@ def test_a_killed_relaunch_launchers_folders_are_removed_by_the_next_launch(
     harness.wait_for_files([first / "in-write"], run)
     made = folders(harness)
     assert [name.rpartition("-")[0] for name in made] == [
-        f"{CHECKPOINTS_PREFIX}{tempdirs.owner(run.pid)}",
-        f"{ERRORS_PREFIX}{tempdirs.owner(run.pid)}",
+        f"{CHECKPOINTS_PREFIX}{owners.owner(run.pid)}",
+        f"{ERRORS_PREFIX}{owners.owner(run.pid)}",
     ]
     for name in made:
         mode = stat.S_IMODE((harness.tmpdir / name).stat().st_mode)

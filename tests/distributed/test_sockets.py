@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cardcage import rendezvous
+from cardcage.backend.launch import rendezvous
 
 from .conftest import PYTHON, SCRIPTS, Harness
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from cardcage import tempdirs
-from cardcage.workers import FOLDER_PREFIX
+from cardcage.backend.launch import tempdirs
+from cardcage.backend.launch.workers import FOLDER_PREFIX
 
 from .conftest import PYTHON, SCRIPTS, leftover_processes
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage import checkpoint
+from cardcage.checkpoints import io as checkpoint
 
 F = torch.nn.functional
 BATCH = 32

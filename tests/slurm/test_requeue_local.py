@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import cardcage
-from cardcage import agreement, requeue
+from cardcage.train import requeue
+from cardcage.train import stop_step as agreement
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -11,16 +11,17 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from cardcage._version import __version__
-from cardcage.accelerator import Accelerator, Availability, Resolution, Rule
+from cardcage.backend.accelerator import Accelerator, Availability, Resolution, Rule
+from cardcage.backend.selection_types import Selection, SelectionContext
 from cardcage.errors import (
     CheckpointError,
     MisconfigurationError,
     NonFiniteLossError,
     PluginError,
 )
-from cardcage.selection import Selection, SelectionContext, select
-from cardcage.spec import hookimpl
-from cardcage.trainer import Trainer
+from cardcage.plugins.spec import hookimpl
+from cardcage.selection.engine import select
+from cardcage.train.trainer import Trainer
 
 if TYPE_CHECKING:
     from cardcage_submit import SlurmJob as SlurmJob

@@ -1,5 +1,5 @@
 """``python -m cardcage``: the same as the ``cardcage`` command."""
 
-from cardcage.cli import main
+from cardcage.cli.main import main
 
 raise SystemExit(main())

@@ -10,7 +10,9 @@ Registration and selection
     :func:`cuda_availability`, :func:`distributed_availability`, :func:`import_engine`,
     :func:`launched_processes_per_node`, :func:`matching_torch_release`,
     :class:`ClusterEnvironment`, :func:`env_int`,
-    :func:`env_switch`.
+    :func:`env_switch`; :func:`registry` (the plugins loaded for an environment: what
+    ``cardcage plugins`` lists), :func:`register_plugin` and :func:`unregister_plugin` (a
+    plugin defined in a script or a test, without packaging it).
 Each training process
     :class:`Strategy` (the per-process methods every Accelerator has),
     :class:`DistributedAccelerator` (one torch.distributed rank per process),
@@ -18,7 +20,10 @@ Each training process
     :func:`distributed_loader`, :func:`move_to`, :func:`cpu_threads_per_process`,
     :func:`share_cpu_threads`, :func:`gpu_memory_metrics`, :class:`Precision`,
     :class:`Optimization` (``trainer.optimization``: ``wrap`` the optimizers,
-    ``scale_learning_rates``), :func:`named_parameters`.
+    ``scale_learning_rates``), :func:`named_parameters`, :func:`replica_shares` and
+    :func:`reduce_replica_outputs` (dp's weighting of replica outputs),
+    :class:`TrainerProtocol` (the trainer the Strategy methods take) and
+    :class:`ProcessPlace`.
 An engine other than torch.distributed (torch-xla, a vendor runtime)
     :class:`EngineStrategy` (the per-process methods, from the engine's primitives), and
     its parts: :func:`environ` (the engine's settings in ``os.environ`` for a while),
@@ -35,13 +40,22 @@ Checkpoints
     ``cardcage.CheckpointError``), :func:`load_checkpoint_file` (``weights_only=True``, checks
     the format; a bad file raises ``MisconfigurationError``), for a backend that overrides
     ``Strategy.save_checkpoint``/``load_checkpoint`` with a format of its own.
+Commands and flags (a plugin's own ``cardcage`` commands)
+    :class:`Commands` (the registrar the ``cardcage_cli_commands`` hook receives),
+    :class:`Command`, :func:`add_trainer_flags` and :func:`trainer_flags` (the Trainer
+    flags spelled as every ``cardcage`` command spells them), :data:`FLAG_NAMES` and
+    :class:`Flags` (every Trainer flag, validated).
+Cluster jobs (a plugin that submits or requeues jobs)
+    :data:`REQUEUE_SIGNAL` and :func:`parse_signal` (the requeue signal setting),
+    :data:`INTERACTIVE_SLURM_JOB_NAMES`, :data:`REQUEUED_EXIT_STATUS` (a fit that stopped for
+    a requeue exits with it).
 Errors
     :class:`MisconfigurationError`, :class:`RankFailedError`.
 """
 
 from __future__ import annotations
 
-from cardcage.accelerator import (
+from cardcage.backend.accelerator import (
     Accelerator,
     Availability,
     Resolution,
@@ -52,17 +66,12 @@ from cardcage.accelerator import (
     launched_processes_per_node,
     matching_torch_release,
 )
-from cardcage.checkpoint import load as load_checkpoint_file
-from cardcage.checkpoint import save_atomic as save_checkpoint_file
-from cardcage.cluster import env_switch
-from cardcage.contract import Optimization, named_parameters
-from cardcage.devices import gpu_memory_metrics
-from cardcage.distributed import (
+from cardcage.backend.distributed import (
     DistributedAccelerator,
     cpu_threads_per_process,
     share_cpu_threads,
 )
-from cardcage.engines import (
+from cardcage.backend.engines import (
     EngineLoader,
     EngineStrategy,
     broadcast_object,
@@ -70,18 +79,9 @@ from cardcage.engines import (
     holds_cpu_tensor,
     take_turns,
 )
-from cardcage.environments import ClusterEnvironment, env_int
-from cardcage.errors import MisconfigurationError, RankFailedError
-from cardcage.failures import ERROR_FILE, first_recorded, write_error_file
-from cardcage.launchers import InProcessLauncher, Launcher, ScriptLauncher
-from cardcage.precision import Precision
-from cardcage.rendezvous import init_timeout
-from cardcage.samplers import distributed_loader
-from cardcage.selection import Selection, SelectionContext
-from cardcage.spec import hookimpl
-from cardcage.strategy import Strategy, move_to
-from cardcage.trainer import Trainer
-from cardcage.workers import (
+from cardcage.backend.launch.error_files import ERROR_FILE, first_recorded, write_error_file
+from cardcage.backend.launch.launcher import InProcessLauncher, Launcher, ScriptLauncher
+from cardcage.backend.launch.workers import (
     SpawnLauncher,
     WorkerLauncher,
     fail,
@@ -91,27 +91,59 @@ from cardcage.workers import (
     run_started_worker,
     run_worker,
 )
-from cardcage.wrappers import (
+from cardcage.backend.selection_types import Selection, SelectionContext
+from cardcage.backend.strategy.precision import Precision
+from cardcage.backend.strategy.samplers import distributed_loader
+from cardcage.backend.strategy.step_runner import (
     StepRunner,
     convert_batchnorm,
     data_parallel_step,
     reduce_replica_outputs,
+    replica_shares,
 )
+from cardcage.backend.strategy.strategy import Strategy, move_to
+from cardcage.backend.trainer_protocol import ProcessPlace, TrainerProtocol
+from cardcage.checkpoints.io import load as load_checkpoint_file
+from cardcage.checkpoints.io import save_atomic as save_checkpoint_file
+from cardcage.config.arguments import add_trainer_flags, trainer_flags
+from cardcage.config.flags import FLAG_NAMES, Flags
+from cardcage.config.model_contract import Optimization, named_parameters
+from cardcage.config.variables import REQUEUE_SIGNAL, env_switch, init_timeout, parse_signal
+from cardcage.devices import gpu_memory_metrics
+from cardcage.environments.base import ClusterEnvironment, env_int
+from cardcage.environments.slurm import INTERACTIVE_SLURM_JOB_NAMES
+from cardcage.errors import MisconfigurationError, RankFailedError
+from cardcage.plugins.commands import Command, Commands
+from cardcage.plugins.manager import Registry, registry
+from cardcage.plugins.manager import register as register_plugin
+from cardcage.plugins.manager import unregister as unregister_plugin
+from cardcage.plugins.spec import hookimpl
+from cardcage.train.requeue import REQUEUED_EXIT_STATUS
+from cardcage.train.trainer import Trainer
 
 __all__ = [
     "ERROR_FILE",
+    "FLAG_NAMES",
+    "INTERACTIVE_SLURM_JOB_NAMES",
+    "REQUEUED_EXIT_STATUS",
+    "REQUEUE_SIGNAL",
     "Accelerator",
     "Availability",
     "ClusterEnvironment",
+    "Command",
+    "Commands",
     "DistributedAccelerator",
     "EngineLoader",
     "EngineStrategy",
+    "Flags",
     "InProcessLauncher",
     "Launcher",
     "MisconfigurationError",
     "Optimization",
     "Precision",
+    "ProcessPlace",
     "RankFailedError",
+    "Registry",
     "Resolution",
     "Rule",
     "ScriptLauncher",
@@ -121,7 +153,9 @@ __all__ = [
     "StepRunner",
     "Strategy",
     "Trainer",
+    "TrainerProtocol",
     "WorkerLauncher",
+    "add_trainer_flags",
     "broadcast_object",
     "convert_batchnorm",
     "cpu_threads_per_process",
@@ -146,12 +180,18 @@ __all__ = [
     "modules_by_value",
     "move_to",
     "named_parameters",
+    "parse_signal",
     "pickle_job",
     "reduce_replica_outputs",
+    "register_plugin",
+    "registry",
+    "replica_shares",
     "run_started_worker",
     "run_worker",
     "save_checkpoint_file",
     "share_cpu_threads",
     "take_turns",
+    "trainer_flags",
+    "unregister_plugin",
     "write_error_file",
 ]

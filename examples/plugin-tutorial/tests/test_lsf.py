@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cardcage import MisconfigurationError, plugins, select
+from cardcage import MisconfigurationError, select
+from cardcage.plugins import manager as plugins
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "lsf"}
 HOSTS = ("node07", "node08")

@@ -22,8 +22,8 @@ import pytest
 
 import cardcage
 import cardcage_submit as sub
-from cardcage import cli
-from cardcage.requeue import REQUEUED_EXIT_STATUS
+from cardcage.cli import main as cli
+from cardcage.train.requeue import REQUEUED_EXIT_STATUS
 from cardcage_submit import Grid, SlurmJob
 from cardcage_submit.run import _run_point
 from cardcage_submit.sbatch import _python_command
@@ -211,7 +211,7 @@ def test_gpus_flag_and_gpus_per_node_agree() -> None:
 
 def test_the_seed_example_dry_run_script(tmp_path: Path) -> None:
     grid = {"learning_rate": [1e-3, 1e-2, 1e-1], "layers": [16, 32, 64]}
-    planned = seed_job().dry_run("cardcage.demo:run", grid, folder=tmp_path / "grid")
+    planned = seed_job().dry_run("cardcage.cli.demo:run", grid, folder=tmp_path / "grid")
     assert len(planned) == 9
     assert not (tmp_path / "grid").exists()  # a dry run writes nothing
     first = planned[0]
@@ -257,7 +257,7 @@ def test_dry_run_is_the_script_submitit_writes(tmp_path: Path) -> None:
     import submitit
 
     (item,) = SlurmJob(time=30, master_port=29500, env={"A": "b c"}).dry_run(
-        "cardcage.demo:run", folder=tmp_path
+        "cardcage.cli.demo:run", folder=tmp_path
     )
     executor = object.__new__(submitit.SlurmExecutor)
     submitit.core.core.PicklingExecutor.__init__(executor, item.folder)
@@ -269,10 +269,10 @@ def test_dry_run_is_the_script_submitit_writes(tmp_path: Path) -> None:
 
 
 def test_no_requeue_and_another_signal(tmp_path: Path) -> None:
-    (off,) = SlurmJob(requeue=False).dry_run("cardcage.demo:run", folder=tmp_path)
+    (off,) = SlurmJob(requeue=False).dry_run("cardcage.cli.demo:run", folder=tmp_path)
     assert "--requeue" not in off.script and "export CARDCAGE_REQUEUE_SIGNAL=none" in off.script
     (usr2,) = SlurmJob(requeue_signal="SIGUSR2", signal_delay_s=120).dry_run(
-        "cardcage.demo:run", folder=tmp_path
+        "cardcage.cli.demo:run", folder=tmp_path
     )
     assert "#SBATCH --signal=USR2@120\n" in usr2.script
     assert "export CARDCAGE_REQUEUE_SIGNAL=USR2\n" in usr2.script
@@ -280,7 +280,7 @@ def test_no_requeue_and_another_signal(tmp_path: Path) -> None:
 
 def test_extra_sbatch_options(tmp_path: Path) -> None:
     job = SlurmJob(gpus_per_node=2, sbatch={"account": "proj", "exclusive": True, "gres": "gpu:2"})
-    (item,) = job.dry_run("cardcage.demo:run", folder=tmp_path)
+    (item,) = job.dry_run("cardcage.cli.demo:run", folder=tmp_path)
     assert "#SBATCH --account=proj\n" in item.script
     assert "#SBATCH --exclusive\n" in item.script
     assert "#SBATCH --gres=gpu:2\n" in item.script
@@ -328,7 +328,7 @@ def test_target_errors(tmp_path: Path, function_file: Path) -> None:
     with pytest.raises(cardcage.MisconfigurationError, match="cannot be imported here"):
         job.dry_run("no_such_module_xyz:train", folder=tmp_path)
     with pytest.raises(cardcage.MisconfigurationError, match="has no function 'nope'"):
-        job.dry_run("cardcage.demo:nope", folder=tmp_path)
+        job.dry_run("cardcage.cli.demo:nope", folder=tmp_path)
     with pytest.raises(cardcage.MisconfigurationError, match="is not a file"):
         job.dry_run(f"{tmp_path}/missing.py:train", folder=tmp_path)
     with pytest.raises(cardcage.MisconfigurationError, match="both a grid hyperparameter"):
@@ -338,13 +338,13 @@ def test_target_errors(tmp_path: Path, function_file: Path) -> None:
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / sub.MANIFEST).write_text("{}")
     with pytest.raises(cardcage.MisconfigurationError, match="already holds a submitted grid"):
-        job.dry_run("cardcage.demo:run", folder=tmp_path / "used")
+        job.dry_run("cardcage.cli.demo:run", folder=tmp_path / "used")
 
 
 def test_submit_without_srun_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(sub.SubmissionError, match="`srun` is not on PATH"):
-        SlurmJob().submit("cardcage.demo:run", folder=tmp_path / "grid")
+        SlurmJob().submit("cardcage.cli.demo:run", folder=tmp_path / "grid")
     assert not (tmp_path / "grid").exists()
 
 
@@ -530,7 +530,7 @@ def test_cli_options_before_and_after_the_target(
             "submit",
             "--nodes",
             "2",
-            "cardcage.demo:run",
+            "cardcage.cli.demo:run",
             "--grid",
             "a=1",
             "--dry-run",
@@ -549,20 +549,23 @@ def test_cli_options_before_and_after_the_target(
     ("argv", "expected"),
     [
         (
-            ["submit", "cardcage.demo:run", "--grid", "lr", "--dry-run"],
+            ["submit", "cardcage.cli.demo:run", "--grid", "lr", "--dry-run"],
             "--grid 'lr' is not NAME=VALUES",
         ),
         (
-            ["submit", "cardcage.demo:run", "--grid", "a=1", "--grid", "a=2", "--dry-run"],
+            ["submit", "cardcage.cli.demo:run", "--grid", "a=1", "--grid", "a=2", "--dry-run"],
             "repeats 'a'",
         ),
         (
-            ["submit", "cardcage.demo:run", "--nodes", "2", "--num-nodes", "3", "--dry-run"],
+            ["submit", "cardcage.cli.demo:run", "--nodes", "2", "--num-nodes", "3", "--dry-run"],
             "num_nodes=3 differs",
         ),
-        (["submit", "cardcage.demo:run", "--time", "1h", "--dry-run"], "time='1h' (--time)"),
-        (["submit", "cardcage.demo:run", "--env", "X", "--dry-run"], "--env 'X' is not NAME=VALUE"),
-        (["submit", "cardcage.demo:run", "--dry-run", "--", "--epochs", "3"], "go to a script"),
+        (["submit", "cardcage.cli.demo:run", "--time", "1h", "--dry-run"], "time='1h' (--time)"),
+        (
+            ["submit", "cardcage.cli.demo:run", "--env", "X", "--dry-run"],
+            "--env 'X' is not NAME=VALUE",
+        ),
+        (["submit", "cardcage.cli.demo:run", "--dry-run", "--", "--epochs", "3"], "go to a script"),
         (["submit", "nothing-here", "--dry-run"], "neither a Python script"),
         (["jobs", "/nonexistent/grid"], "holds no submitted grid"),
     ],

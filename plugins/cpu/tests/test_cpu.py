@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cardcage import MisconfigurationError, plugins, select
+from cardcage import MisconfigurationError, select
+from cardcage.plugins import manager as plugins
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "cpu"}
 

@@ -13,7 +13,8 @@ import cardcage_fsdp
 import pytest
 import torch
 
-from cardcage import MisconfigurationError, plugins, select
+from cardcage import MisconfigurationError, select
+from cardcage.plugins import manager as plugins
 from cardcage.testing.harness import Harness
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "fsdp"}

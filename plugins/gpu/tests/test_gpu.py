@@ -8,7 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cardcage import MisconfigurationError, plugins, select
+from cardcage import MisconfigurationError, select
+from cardcage.plugins import manager as plugins
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "gpu"}
 

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from cardcage import Availability, MisconfigurationError, plugins, select
+from cardcage import Availability, MisconfigurationError, select
+from cardcage.plugins import manager as plugins
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"}
 HOROVODRUN = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"}
@@ -101,7 +102,8 @@ def test_discovery_and_selection_never_import_horovod() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from cardcage import MisconfigurationError, plugins, select
+        from cardcage import MisconfigurationError, select
+        from cardcage.plugins import manager as plugins
         assert "horovod" in plugins.registry({}).accelerators
         try:
             select(env={"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"})

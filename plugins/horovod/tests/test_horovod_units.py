@@ -22,8 +22,10 @@ from cardcage_horovod import (
 )
 
 import cardcage
-from cardcage import Availability, MisconfigurationError, plugins, select
-from cardcage.sdk import ClusterEnvironment, modules_by_value
+from cardcage import Availability, MisconfigurationError, select
+from cardcage.environments.base import ClusterEnvironment
+from cardcage.plugins import manager as plugins
+from cardcage.sdk import modules_by_value
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"}
 HOROVODRUN = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0"}

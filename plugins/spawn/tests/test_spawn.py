@@ -8,7 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cardcage import MisconfigurationError, plugins, select
+from cardcage import MisconfigurationError, select
+from cardcage.plugins import manager as plugins
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "spawn"}
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}

@@ -12,7 +12,8 @@ import textwrap
 
 import pytest
 
-from cardcage import Availability, MisconfigurationError, plugins, select
+from cardcage import Availability, MisconfigurationError, select
+from cardcage.plugins import manager as plugins
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "tpu"}
 
@@ -96,7 +97,8 @@ def test_discovery_and_selection_never_import_torch_xla() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from cardcage import MisconfigurationError, plugins, select
+        from cardcage import MisconfigurationError, select
+        from cardcage.plugins import manager as plugins
         assert "tpu" in plugins.registry({}).accelerators
         try:
             select(env={"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "tpu"})

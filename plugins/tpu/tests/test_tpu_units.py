@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from cardcage import Availability, MisconfigurationError, plugins, select
+from cardcage import Availability, MisconfigurationError, select
+from cardcage.plugins import manager as plugins
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "tpu"}
 

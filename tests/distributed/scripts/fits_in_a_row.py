@@ -32,7 +32,8 @@ def state() -> dict[str, Any]:
     """What a fit could change in this process."""
     import torch.distributed as dist
 
-    from cardcage import relaunch, rendezvous
+    from cardcage.backend.launch import rendezvous
+    from cardcage.backend.launch import script as relaunch
 
     handlers = {}
     for sig in signal.valid_signals():

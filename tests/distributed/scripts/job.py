@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     saves = []
     seen_after_save = None
     if opts.checkpoint is not None:
-        from cardcage import checkpoint
+        from cardcage.checkpoints import io as checkpoint
 
         original = checkpoint.save_atomic
 

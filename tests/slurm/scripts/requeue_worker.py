@@ -3,7 +3,7 @@
 It trains fast steps (5 ms of sleep: at most 200 steps/s, so that the stop margin of 0.25 s
 stays well inside the run), so the ranks' stop agreement races the loop; with
 ``--signal-step N`` the rank ``--signal-rank`` sends itself the requeue signal at its N-th
-step (on the first run only). ``--margin`` overrides ``cardcage.agreement.MARGIN_S`` (0 makes
+step (on the first run only). ``--margin`` overrides ``cardcage.train.stop_step.MARGIN_S`` (0 makes
 "late" ranks, and so further agreement rounds, likely). Rank 0 saves the final weights.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage import agreement
+from cardcage.train import stop_step as agreement
 
 
 class Model(torch.nn.Module):

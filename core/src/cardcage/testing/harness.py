@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from cardcage import variables
+from cardcage.config import variables
 
 MARKER = "CARDCAGE_TEST_MARKER"
 #: Seconds a job may take on a loaded two-core machine (start-up dominates).

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from cardcage import plugins
-from cardcage.spec import hookimpl
+from cardcage.plugins import manager as plugins
+from cardcage.plugins.spec import hookimpl
 
 TRACE = "CARDCAGE_KIT_TRACE"
 SCENARIO = "CARDCAGE_KIT_SCENARIO"

@@ -14,7 +14,7 @@ from cardcage.testing.suite import ENVIRONMENTS, SuiteBase
 # Runs in a fresh interpreter: loads the plugin alone, strictly, and prints what it found.
 LOAD_ALONE = """
 import json, sys
-from cardcage import plugins
+from cardcage.plugins import manager as plugins
 registry = plugins.registry(__import__("os").environ)
 found = registry.accelerators.get(sys.argv[1])
 print(json.dumps({
@@ -30,7 +30,7 @@ print(json.dumps({
 PURITY = """
 import json, os, socket, subprocess, sys, threading
 import torch, cardcage
-from cardcage import plugins
+from cardcage.plugins import manager as plugins
 plugins.registry(os.environ)
 started = {"children": [], "threads": [], "sockets": []}
 def watch(owner, method, kind):
@@ -72,7 +72,7 @@ class SelectionChecks(SuiteBase):
 
     def test_names_and_aliases_are_its_own(self) -> None:
         """With every installed plugin loaded strictly, its names all lead to it."""
-        from cardcage import plugins
+        from cardcage.plugins import manager as plugins
 
         result = self._run(LOAD_ALONE, self.backend, CARDCAGE_STRICT_PLUGINS="1", alone=False)
         assert result.returncode == 0, f"loading every plugin strictly failed:\n{result.stderr}"
@@ -97,8 +97,8 @@ class SelectionChecks(SuiteBase):
         backend's rules) with the rank, world size and rule the environment and flags call
         for, or a MisconfigurationError that names a flag or variable, nothing else."""
         import cardcage
-        from cardcage import plugins
-        from cardcage.rules import rule_name
+        from cardcage.plugins import manager as plugins
+        from cardcage.selection.rules import rule_name
 
         env = {**self.alone(), **ENVIRONMENTS[environment]}
         registry = plugins.registry(env)

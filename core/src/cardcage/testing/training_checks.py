@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from cardcage import plugins
-from cardcage.rules import rule_name
+from cardcage.plugins import manager as plugins
+from cardcage.selection.rules import rule_name
 from cardcage.testing import reference
 from cardcage.testing.harness import Harness
 from cardcage.testing.models import UNEVEN_SAMPLES, make_net

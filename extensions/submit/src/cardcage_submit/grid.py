@@ -42,7 +42,7 @@ def parse_grid_option(text: str) -> tuple[str, list[Value]]:
 
 
 def _check_name(name: object, source: str) -> str:
-    from cardcage.flags import FLAG_NAMES
+    from cardcage.config.flags import FLAG_NAMES
 
     if not isinstance(name, str) or not name.isidentifier():
         raise MisconfigurationError(

@@ -15,12 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from cardcage.environments import INTERACTIVE_SLURM_JOB_NAMES, REQUEUE_SIGNAL, parse_signal
+from cardcage.config.variables import REQUEUE_SIGNAL, parse_signal
+from cardcage.environments.slurm import INTERACTIVE_SLURM_JOB_NAMES
 from cardcage.errors import MisconfigurationError
 from cardcage_submit.grid import parse_value
 
 if TYPE_CHECKING:
-    from cardcage.selection import Selection
+    from cardcage.backend.selection_types import Selection
 
 #: sbatch options cardcage sets itself; ``sbatch=`` may not override them.
 RESERVED_SBATCH = frozenset(
@@ -182,7 +183,7 @@ def _positive(name: str, value: object, *, zero: bool = False, what: str = "") -
 
 def _trainer_flags(job: JobDescription) -> tuple[dict[str, Any], int]:
     """The Trainer flags of the job, and the GPUs per node to ask SLURM for."""
-    from cardcage.flags import FLAG_NAMES
+    from cardcage.config.flags import FLAG_NAMES
 
     if not isinstance(job.trainer, Mapping):
         raise MisconfigurationError(
@@ -192,7 +193,7 @@ def _trainer_flags(job: JobDescription) -> tuple[dict[str, Any], int]:
     flags = dict(job.trainer)
     unknown = [name for name in flags if name not in FLAG_NAMES]
     if unknown:
-        from cardcage.flags import did_you_mean
+        from cardcage.config.flags import did_you_mean
 
         raise MisconfigurationError(
             f"trainer={{{unknown[0]!r}: ...}}: {unknown[0]!r} is not a Trainer flag."
@@ -240,7 +241,7 @@ def _trainer_flags(job: JobDescription) -> tuple[dict[str, Any], int]:
 
 
 def _plan(job: JobDescription) -> Plan:
-    from cardcage.selection import select
+    from cardcage.selection.engine import select
 
     nodes = _positive("nodes", job.nodes)
     gpus_per_node = _positive("gpus_per_node", job.gpus_per_node, zero=True)

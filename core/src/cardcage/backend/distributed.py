@@ -1,0 +1,230 @@
+"""What every torch.distributed backend does in each of its processes.
+
+:class:`DistributedAccelerator` joins the process group (gloo on the CPU, NCCL on GPUs),
+places the model on this rank's device, wraps it in DistributedDataParallel (whose
+construction broadcasts rank 0's weights, so every rank starts identical), shards the data
+with a ``DistributedSampler`` that keeps the user's loader settings, and implements barrier,
+broadcast and reduce. The ``ddp``, ``ddp_spawn`` and ``ddp2`` plugins subclass it and differ
+only in how their processes come to exist; a third-party backend may subclass it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from cardcage.backend.accelerator import Accelerator
+from cardcage.backend.launch import error_files as failures
+from cardcage.backend.launch import rendezvous, watchdog
+from cardcage.backend.launch.launcher import ScriptLauncher
+from cardcage.backend.strategy import group_exit as exits
+from cardcage.backend.strategy.samplers import distributed_loader
+from cardcage.backend.strategy.step_runner import StepRunner
+from cardcage.config import variables
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from cardcage.backend.trainer_protocol import TrainerProtocol as Trainer
+
+__all__ = [
+    "DistributedAccelerator",
+    "cpu_threads_per_process",
+    "distributed_loader",
+    "share_cpu_threads",
+]
+
+log = logging.getLogger("cardcage")
+T = TypeVar("T")
+
+
+def cpu_threads_per_process(local_world_size: int) -> int | None:
+    """Each local process's share of the cores, unless the user set ``OMP_NUM_THREADS``."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // max(local_world_size, 1))
+
+
+def share_cpu_threads(local_world_size: int, local_rank: int) -> None:
+    """Give this process its share of the cores as torch threads (``torch.set_num_threads``),
+    so that the processes of a node do not oversubscribe them; with ``OMP_NUM_THREADS`` set,
+    leave the user's choice. Local rank 0 logs the share."""
+    threads = cpu_threads_per_process(local_world_size)
+    if threads is None:
+        return
+    torch.set_num_threads(threads)
+    if local_rank == 0:
+        log.info(
+            "cardcage: %d torch thread(s) per process (%d cores, %d local processes); set "
+            "OMP_NUM_THREADS to choose",
+            threads,
+            os.cpu_count() or 1,
+            local_world_size,
+        )
+
+
+class DistributedAccelerator(Accelerator):
+    """Base of backends that train one torch.distributed rank per process."""
+
+    #: ``None`` picks NCCL for CUDA devices and gloo otherwise.
+    process_group_backend: ClassVar[str | None] = None
+    needs_rendezvous: ClassVar[bool] = True
+    #: Script relaunch, or the processes a cluster made; ddp_spawn uses workers instead.
+    launcher = ScriptLauncher
+
+    def __init__(self, selection: Any):
+        super().__init__(selection)
+        self.parallel: torch.nn.Module | None = None
+        self.local_world_size = selection.num_processes
+
+    # -- process identity -----------------------------------------------------------------
+
+    def read_rank_environment(self) -> None:
+        """Take this process's ranks from the launcher's variables when it set them."""
+        env = os.environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            self.global_rank = int(env["RANK"])
+            self.world_size = int(env["WORLD_SIZE"])
+            self.local_rank = int(env.get("LOCAL_RANK", "0"))
+            self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", self.local_world_size))
+
+    def device_for_rank(self) -> torch.device:
+        gpu_ids = self.selection.gpu_ids
+        if gpu_ids:
+            return torch.device("cuda", gpu_ids[self.local_rank % len(gpu_ids)])
+        return torch.device("cpu")
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def init_process_group(self) -> None:
+        """Join the job's process group (once per process)."""
+        if dist.is_initialized():
+            return
+        backend = self.process_group_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        timeout = timedelta(seconds=variables.init_timeout())
+        address = os.environ.get("MASTER_ADDR") or self.selection.master_address or "127.0.0.1"
+        port = os.environ.get("MASTER_PORT") or str(self.selection.master_port or "")
+        store = rendezvous.hosted_store()
+        loopback = rendezvous.loopback_interface()
+        if backend == "gloo" and self.world_size == self.local_world_size and loopback:
+            # One node: gloo listens on loopback, not on the address the hostname has.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        before = exits.threads()
+        if store is None and os.environ.get(rendezvous.HOSTED_STORE) == "1":
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            store = TCPStore(address, int(port), is_master=False, timeout=timeout)
+        elif store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps its store across --max-restarts, and torch's env://
+            # reuses its keys: a restarted rank may read a dead rank's address from the
+            # attempt before (gloo: "connectFullMesh failed ... Connection refused"). A key
+            # space per attempt.
+            from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            client = TCPStore(address, int(port), is_master=False, timeout=timeout)
+            store = PrefixStore(f"/cardcage/attempt_{attempt}", client)
+        if store is not None:
+            store.set(rendezvous.arrival_key(self.global_rank), str(os.getpid()))
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+        else:
+            if not port:
+                raise RuntimeError("no MASTER_PORT for the process group")
+            os.environ.setdefault("MASTER_ADDR", address)
+            os.environ.setdefault("MASTER_PORT", port)
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+        # The rendezvous may take CARDCAGE_INIT_TIMEOUT; a collective waits a little longer
+        # than CARDCAGE_TIMEOUT, so that the launcher's watcher names a stuck rank first.
+        with contextlib.suppress(AttributeError, ValueError, RuntimeError):
+            _set_pg_timeout = dist.distributed_c10d._set_pg_timeout  # no public API for this
+            _set_pg_timeout(watchdog.collective_timeout())
+        if backend == "gloo":
+            # Gloo's threads must be done before the interpreter finalizes (see exits.py).
+            exits.register(exits.threads() - before)
+        # Where no launcher watches (torchrun), a peer that finds this rank gone names it.
+        failures.join(store, self.global_rank, self.world_size)
+        log.info(
+            "cardcage: rank %d of %d joined the %s process group",
+            self.global_rank,
+            self.world_size,
+            backend,
+        )
+
+    def setup_process(self, trainer: Trainer) -> None:
+        """Ranks from the launcher, the device, threads, the process group, then the model:
+        sync batch-norm, placement, precision, and ``self.parallel = self.wrap(model)``."""
+        self.read_rank_environment()
+        self.device = self.device_for_rank()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self.moves_batches = True
+        else:
+            share_cpu_threads(self.local_world_size, self.local_rank)
+        self.init_process_group()
+        model = trainer.model
+        if trainer.flags.sync_batchnorm:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+            trainer.model = model
+        model.to(self.device)
+        super().setup_process(trainer)
+        if self.device.type == "cuda":
+            self.precision.check_device()
+            self.moves_batches = True
+        self.parallel = self.wrap(model)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module whose forward runs a step and synchronises gradients."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            StepRunner(model, self.precision.autocast), device_ids=device_ids
+        )
+
+    # -- the loop's calls -------------------------------------------------------------------
+
+    def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
+        parallel = self.parallel
+        if name != "training_step" or parallel is None:
+            return super().step_function(model, name)  # no gradients to synchronise
+
+        def step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+            return parallel(name, batch, batch_idx, *args, **kwargs)
+
+        return step
+
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        if not dist.is_initialized():
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor / self.world_size if op == "mean" else tensor

@@ -1,0 +1,2 @@
+"""A backend's process-creation role: launchers, their supervisor, rendezvous, restarts and
+watchdog."""

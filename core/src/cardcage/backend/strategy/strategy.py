@@ -1,0 +1,230 @@
+"""The per-process role of a backend: what runs inside each training process.
+
+:class:`Strategy` holds this process's place in the job (ranks, device, precision) and
+everything the core's loop asks of a backend while training: setting the process up
+(``setup_process``), adapting data, moving batches, running a step, backward and optimizer
+step, the collectives, and the state that leaves the process (``gather_state``,
+``save_checkpoint``) or enters it (``load_checkpoint``, ``restore_state``). Every method has a
+default that trains in one process on the CPU, so a backend overrides only what differs.
+
+The selection role (class-level: ``name``, ``rules``, ``availability``...) and the
+process-creation role (:mod:`cardcage.backend.launch.launcher`) live apart;
+:class:`~cardcage.Accelerator` puts the three together.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from cardcage.backend.strategy.precision import Precision
+from cardcage.backend.strategy.samplers import distributed_loader
+from cardcage.checkpoints import io as checkpoint
+
+if TYPE_CHECKING:
+    from cardcage.backend.selection_types import Selection
+    from cardcage.backend.trainer_protocol import TrainerProtocol as Trainer
+
+T = TypeVar("T")
+
+
+class Strategy:
+    """What a backend does in each training process. See the module docstring."""
+
+    #: Where the model trains; ``setup_process`` sets it.
+    device: torch.device
+    #: Whether batches need ``batch_to_device`` (False lets the loop skip the call).
+    moves_batches: bool = False
+
+    def __init__(self, selection: Selection):
+        self.selection = selection
+        self.device = torch.device("cpu")
+        self.precision = Precision(selection.flags.precision, "cpu")
+        # This process's place; launchers and setup_process set them in each process.
+        self.global_rank = selection.global_rank
+        self.local_rank = selection.local_rank
+        self.world_size = selection.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this process is rank 0 of the whole job."""
+        return self.global_rank == 0
+
+    # -- setting up and tearing down this process ----------------------------------------------
+
+    def setup_process(self, trainer: Trainer) -> None:
+        """Set up this training process: join the job, place the model, set the precision.
+
+        Called once in every process that trains, through the ``cardcage_setup_process``
+        hook, before ``configure_optimizers``. The default sets the precision for
+        ``self.device`` (at 64 it casts the model); subclasses place the model first and
+        then call ``super().setup_process(trainer)``.
+        """
+        self.precision = Precision(trainer.flags.precision, self.device.type)
+        if self.precision.dtype is not None:
+            trainer.model.to(self.precision.dtype)
+            self.moves_batches = True
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """Adapt ``trainer.optimization`` after ``configure_optimizers`` (e.g. wrap them)."""
+
+    def teardown(self, trainer: Trainer) -> None:
+        """Release what ``setup_process`` took (process groups, devices).
+
+        Called once in every training process when its training ends, also after a failure,
+        through the ``cardcage_teardown_process`` hook.
+        """
+
+    # -- data and steps -----------------------------------------------------------------------
+
+    def process_dataloader(self, loader: Any, *, train: bool) -> Any:
+        """Adapt a dataloader to this backend.
+
+        The default gives each of several processes its shard (a ``DistributedSampler`` on
+        ``world_size``/``global_rank``, keeping the loader's settings) unless
+        ``replace_sampler_ddp=False``; one process keeps the loader as it is.
+        """
+        if self.world_size <= 1 or not self.selection.flags.replace_sampler_ddp:
+            return loader
+        return distributed_loader(loader, self.world_size, self.global_rank)
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move (and, at precision 64, cast) a batch; called only when ``moves_batches``."""
+        return move_to(batch, self.device, self.precision.dtype)
+
+    def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
+        """The callable that runs ``model.<name>(batch, batch_idx)`` on this backend.
+
+        The loop calls what this returns once per step; a wrapping backend (DataParallel,
+        DistributedDataParallel) returns a function that runs the step inside its wrapper.
+        """
+        function: Callable[..., Any] = getattr(model, name)
+        return function
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Compute gradients (scaled at precision 16); ddp2 also averages them across nodes."""
+        self.precision.backward(loss)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step one optimizer (through the grad scaler at precision 16)."""
+        self.precision.step(optimizer)
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of ``tensor``, for the loop to look at a value in the middle of a step
+        (``terminate_on_nan`` reads each step's loss before its backward).
+
+        Every rank calls it at the same point. The default is ``tensor.detach().cpu()``; an
+        engine whose replicas are threads of one process takes turns at it.
+        """
+        return tensor.detach().cpu()
+
+    def on_epoch_start(self, epoch: int, loader: Any) -> None:
+        """Called before each training epoch: a distributed sampler reshuffles here."""
+        sampler = getattr(loader, "sampler", None)
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def on_epoch_end(self, trainer: Trainer) -> None:
+        """Called after each training epoch, before validation (GPU backends log memory).
+        After it, the loop copies the epoch's losses to the CPU: a lazy engine runs them here."""
+
+    # -- collectives --------------------------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process reaches this point; nothing to wait for in one process."""
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """``obj`` as held by rank ``src``; the identity in one process."""
+        return obj
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over every process (``"mean"`` or ``"sum"``)."""
+        return tensor
+
+    # -- state that leaves or enters the process ----------------------------------------------
+
+    def unwrapped_model(self, trainer: Trainer) -> torch.nn.Module:
+        """The user's module, without any wrapper this backend added."""
+        return trainer.model
+
+    def gather_state(self, trainer: Trainer) -> dict[str, Any] | None:
+        """The full model and optimizer state: ``{"state_dict": ..., "optimizers": [...]}``.
+
+        Called on every rank at the same point (a checkpoint, a requeue, the results handed
+        back from workers), so a sharded backend may run collectives here to gather its
+        shards. Ranks that write (global rank 0 for checkpoints, each node's local rank 0
+        for handed-back results) must get the full state; other ranks may return ``None``.
+        The default costs nothing: every rank holds the full state already.
+        """
+        return {
+            "state_dict": self.unwrapped_model(trainer).state_dict(),
+            "optimizers": [o.state_dict() for o in trainer.optimization.optimizers],
+        }
+
+    def restore_state(self, trainer: Trainer, state: dict[str, Any]) -> None:
+        """Load a full checkpoint's model and optimizer state into this rank.
+
+        Called on every rank after ``setup_process`` and ``configure_optimizers``; a sharded
+        backend loads each rank's part here. ``state`` holds ``"state_dict"`` and
+        ``"optimizers"`` as :meth:`gather_state` returned them.
+        """
+        self.unwrapped_model(trainer).load_state_dict(state["state_dict"])
+        optimizers = trainer.optimization.optimizers
+        for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+
+    def save_checkpoint(self, trainer: Trainer, path: str | os.PathLike[str]) -> None:
+        """Write ``trainer``'s checkpoint to ``path``; called on every rank at the same point.
+
+        The default gathers the state (``trainer.checkpoint_state()``, which calls
+        :meth:`gather_state`), global rank 0 writes it as one file, atomically, and every
+        rank waits for the file. A backend with its own format (a folder of shards, one per
+        rank) overrides this and :meth:`load_checkpoint`; ``trainer.loop_state()`` is what
+        the file holds besides the model and the optimizers.
+        """
+        state = trainer.checkpoint_state()
+        if self.is_global_zero:
+            if state is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.gather_state returned None on rank 0, which "
+                    "writes the checkpoint: return the full state there"
+                )
+            checkpoint.save_atomic(state, path)
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, trainer: Trainer, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Read the checkpoint at ``path`` on this rank, for :meth:`restore_state`.
+
+        Called on every rank after ``setup_process`` and ``configure_optimizers`` (so a
+        sharded format can load into the live shards). The default reads one file written
+        by :meth:`save_checkpoint` with ``torch.load(weights_only=True)``.
+        """
+        return checkpoint.load(path)
+
+    def portable(self, obj: T) -> T:
+        """``obj`` (a checkpoint, a worker's results) as ``torch.save`` should write it.
+
+        The default returns it unchanged; a backend whose tensors cannot be saved as they are
+        (XLA's) moves them to the CPU here.
+        """
+        return obj
+
+
+def move_to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``batch`` with every tensor moved to ``device`` (floating ones cast to ``dtype``)."""
+    if isinstance(batch, torch.Tensor):
+        if dtype is not None and batch.is_floating_point():
+            return batch.to(device=device, dtype=dtype, non_blocking=True)
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [move_to(item, device, dtype) for item in batch]
+        if hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*moved)
+        return type(batch)(moved)
+    if isinstance(batch, dict):
+        return type(batch)({k: move_to(v, device, dtype) for k, v in batch.items()})
+    return batch

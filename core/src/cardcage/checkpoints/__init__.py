@@ -1,0 +1,1 @@
+"""Checkpoint files: written atomically, read and checked with ``weights_only=True``."""

@@ -1,0 +1,1 @@
+"""Choosing a backend: the rules and the selection engine behind ``cardcage.select``."""

@@ -1,0 +1,415 @@
+"""``cardcage.Trainer``: validates the flags, selects a backend, and dispatches to it.
+
+Resuming from a checkpoint (checked in ``fit``; in each training process, which checkpoint,
+its restore, and where the first epoch continues) is in :mod:`cardcage.train.resume`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from cardcage import devices
+from cardcage._version import __version__
+from cardcage.backend.accelerator import Accelerator
+from cardcage.backend.launch import rendezvous
+from cardcage.backend.launch.error_files import record_fit_finished
+from cardcage.backend.launch.restarts import this_run
+from cardcage.backend.launch.watchdog import attach as attach_heart
+from cardcage.backend.selection_types import Selection
+from cardcage.backend.strategy.strategy import Strategy
+from cardcage.checkpoints import io as checkpoint
+from cardcage.checkpoints import validation
+from cardcage.checkpoints.validation import OPTIMIZER_TYPES
+from cardcage.config.model_contract import Optimization, check_model, configure_optimizers
+from cardcage.errors import MisconfigurationError
+from cardcage.plugins import manager as plugins
+from cardcage.selection.engine import probe_pending_gpus, select
+from cardcage.train import loop, requeue
+from cardcage.train import resume as resuming
+from cardcage.train import stop_step as agreement
+from cardcage.train.process_state import as_found
+from cardcage.train.progress import ProgressBar
+
+
+def _loaders(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class Trainer:
+    """Train a model on the backend the flags and the environment select.
+
+    The flags: ``gpus``, ``tpu_cores``, ``num_processes``, ``num_nodes``,
+    ``distributed_backend``, ``auto_select_gpus``, ``log_gpu_memory``, ``sync_batchnorm``,
+    ``benchmark``, ``replace_sampler_ddp``, ``precision``, ``max_epochs``, ``max_steps``,
+    ``default_root_dir``, ``resume_from_checkpoint``, ``max_restarts``,
+    ``checkpoint_every_n_steps``, ``terminate_on_nan`` and ``progress_bar``; the "Flags"
+    section of the documentation's "Choosing a backend" page (docs/choosing-a-backend.md)
+    gives each one's default and meaning. Every one is checked here: a bad one raises
+    :class:`~cardcage.MisconfigurationError` before any process, port or CUDA context
+    exists. ``progress_bar``: ``None`` shows a bar on rank 0 when stderr is a terminal;
+    ``True``/``False`` force it.
+    """
+
+    def __init__(
+        self,
+        gpus: Any = None,
+        tpu_cores: Any = None,
+        num_processes: int = 1,
+        num_nodes: int = 1,
+        distributed_backend: str | None = None,
+        auto_select_gpus: bool = False,
+        log_gpu_memory: str | None = None,
+        sync_batchnorm: bool = False,
+        benchmark: bool = False,
+        replace_sampler_ddp: bool = True,
+        precision: int | str = 32,
+        max_epochs: int | None = 1,
+        max_steps: int | None = None,
+        default_root_dir: str | os.PathLike[str] | None = None,
+        resume_from_checkpoint: str | os.PathLike[str] | None = None,
+        max_restarts: int = 0,
+        checkpoint_every_n_steps: int | None = None,
+        terminate_on_nan: bool = False,
+        progress_bar: bool | None = None,
+        **unknown: Any,
+    ):
+        if progress_bar is not None and not isinstance(progress_bar, bool):
+            raise MisconfigurationError(
+                f"progress_bar={progress_bar!r} is not valid: use True, False or None (a bar "
+                "when stderr is a terminal)."
+            )
+        with plugins.slow_checks_named():  # a slow availability check named while it runs
+            self.selection: Selection = select(
+                gpus=gpus,
+                tpu_cores=tpu_cores,
+                num_processes=num_processes,
+                num_nodes=num_nodes,
+                distributed_backend=distributed_backend,
+                auto_select_gpus=auto_select_gpus,
+                log_gpu_memory=log_gpu_memory,
+                sync_batchnorm=sync_batchnorm,
+                benchmark=benchmark,
+                replace_sampler_ddp=replace_sampler_ddp,
+                precision=precision,
+                max_epochs=max_epochs,
+                max_steps=max_steps,
+                default_root_dir=default_root_dir,
+                resume_from_checkpoint=resume_from_checkpoint,
+                max_restarts=max_restarts,
+                checkpoint_every_n_steps=checkpoint_every_n_steps,
+                terminate_on_nan=terminate_on_nan,
+                **unknown,
+            )
+        self.flags = self.selection.flags
+        requeue.check(self.selection)
+        registry = plugins.registry(os.environ)
+        self._registry: plugins.Registry | None = registry
+        backend = registry.accelerators[self.selection.accelerator].cls
+        backend.check_precision(self.selection)
+        self.accelerator: Accelerator = backend(self.selection)
+        self.progress_bar_flag = progress_bar
+        self.progress = ProgressBar(False)
+        self.model: torch.nn.Module = torch.nn.Module()
+        self.optimization = Optimization([])
+        self.train_dataloader: Any = None
+        self.val_dataloaders: list[Any] = []
+        self.current_epoch = 0
+        self.global_step = 0
+        self.batch_idx = 0
+        self.epoch_rng: dict[str, Any] | None = None
+        self.in_epoch = False  # inside an epoch's batches (a save from training_step)
+        self.logged_metrics: dict[str, float] = {}
+        self.losses: list[float] = []
+        self._resume: dict[str, Any] | None = None
+        #: The step the loop stops at for a requeue (cardcage.train.requeue); never reached: -1.
+        self.stop_at_step = agreement.NEVER
+        self._requeue: requeue.RequeueHandler | None = None
+        self._prepared = False
+        #: What workers handed back (a checkpoint): save_checkpoint writes it in the caller.
+        self._handed_back: dict[str, Any] | None = None
+        self.results: Any = None
+        #: Restarts this fit used (max_restarts); what the next attempt resumes from.
+        self.restarts = 0
+        self.restart_from: str | None = None
+        #: The run the last fit belongs to, as its checkpoints record it
+        #: (cardcage.backend.launch.restarts).
+        self.run: checkpoint.Run | None = None
+        #: resume_from_checkpoint as fit checked it (and read it), for this process's resume.
+        self._checked: validation.Checked | None = None
+
+    # -- public API -------------------------------------------------------------------------
+
+    def fit(
+        self,
+        model: torch.nn.Module,
+        train_dataloader: Any = None,
+        val_dataloaders: Any = None,
+    ) -> Any:
+        """Train ``model``; afterwards it holds the trained weights of rank 0."""
+        check_model(model)
+        if train_dataloader is None:
+            if not callable(getattr(model, "train_dataloader", None)):
+                raise MisconfigurationError(
+                    "fit(model) got no train_dataloader and the model has no "
+                    "train_dataloader(). Pass fit(model, train_dataloader=...) or add the method."
+                )
+            train_dataloader = model.train_dataloader()  # type: ignore[operator]
+        loop.check_train_dataloader(train_dataloader, self.flags)  # length 0: before any process
+        if val_dataloaders is None and callable(getattr(model, "val_dataloader", None)):
+            val_dataloaders = model.val_dataloader()  # type: ignore[operator]
+        self.model = model
+        self.train_dataloader = train_dataloader
+        self.val_dataloaders = _loaders(val_dataloaders)
+        with as_found(self):  # the process as it was, after a fit that returns or fails
+            # before any process, port or CUDA context
+            self._checked = resuming.check(self, self.accelerator, model)
+            self._probe_auto_selected_gpus()
+            if self.selection.gpu_ids:
+                devices.apply_cuda_environment(
+                    self.selection.gpu_ids,
+                    slurm_managing_tasks=self.selection.cluster == "slurm",
+                )
+            # MASTER_ADDR, MASTER_PORT, the process count: checked before any process or port
+            rendezvous.check_launch(self.selection, self.accelerator.needs_rendezvous)
+            hooks = self._hooks()
+            # The run its checkpoints record, and which ones a restart may take.
+            with this_run(self):
+                try:
+                    hooks.cardcage_setup(trainer=self, accelerator=self.accelerator)
+                    self.results = hooks.cardcage_train(trainer=self, accelerator=self.accelerator)
+                finally:
+                    self._checked = None  # a backend that never resumed here: let go of it
+        return self.results
+
+    def _probe_auto_selected_gpus(self) -> None:
+        """``auto_select_gpus`` without NVML: the GPUs are probed now, when training starts
+        (``select`` must create no CUDA context); see :func:`selection.probe_pending_gpus`."""
+        probed = probe_pending_gpus(self.selection)
+        if probed is not self.selection:
+            self.selection = self.accelerator.selection = probed
+
+    def validate(
+        self, model: torch.nn.Module | None = None, dataloaders: Any = None
+    ) -> dict[str, float]:
+        """Run ``validation_step`` over the validation loaders; return the mean metrics."""
+        return self._evaluate(model, dataloaders, "validation_step", "val_dataloader", "val")
+
+    def test(
+        self, model: torch.nn.Module | None = None, dataloaders: Any = None
+    ) -> dict[str, float]:
+        """Run ``test_step`` over the test loaders; return the mean metrics."""
+        return self._evaluate(model, dataloaders, "test_step", "test_dataloader", "test")
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Write a checkpoint: one file, atomically (or the backend's own format).
+
+        Call it on every rank: each gathers the state (a sharded backend's collectives), rank
+        0 writes, and every rank waits for the checkpoint.
+        """
+        if self._handed_back is not None:  # the workers trained: write what they handed back
+            checkpoint.save_atomic(self.checkpoint_state() or {}, path)
+            return
+        self.accelerator.save_checkpoint(self, path)
+
+    # -- what backends and the loop call ----------------------------------------------------
+
+    def prepare(self) -> None:
+        """Set up this training process: the backend's per-process setup, the optimizers,
+        the resume state.
+
+        Runs the ``cardcage_setup_process`` hook (whose default implementation calls the
+        backend's ``setup_process``), so plugins may wrap it.
+        """
+        # Before setup (which may wait for every rank): a requeue signal from now on counts.
+        self._requeue = requeue.handler_for(self)
+        self._handed_back = None  # this process trains: its own state is the one to save
+        self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
+        self._prepared = True
+        self.optimization = configure_optimizers(self.model)
+        self.accelerator.setup_optimizers(self)
+        self.progress = ProgressBar(
+            ProgressBar.wanted(self.progress_bar_flag, self.accelerator.global_rank)
+        )
+        checked, self._checked = self._checked, None  # what fit read: not read a second time
+        state = resuming.resume(self, self.accelerator, self._requeue, checked)
+        if state is not None:
+            self._resume = state
+        if self._requeue is not None:
+            self._requeue.start(self)
+
+    def run_fit_loop(self) -> Any:
+        """Train in this process: set it up, run the loop, tear it down (also after a
+        failure). Launchers call it once in every training process."""
+        hooks = self._hooks()
+        if self.flags.benchmark:  # in every training process (as_found restores the caller)
+            torch.backends.cudnn.benchmark = True
+        heart = attach_heart()  # before setup: a rank stuck there shows its pid and stack
+        try:
+            self.prepare()
+            loop.fit_loop(self, self.accelerator, heart)
+        finally:
+            if self._requeue is not None:
+                self._requeue.close()
+                self._requeue = None
+            self.in_epoch = False
+            self.progress.end_epoch()
+            try:
+                hooks.cardcage_teardown_process(trainer=self, accelerator=self.accelerator)
+            finally:
+                if heart is not None:
+                    heart.close()
+        record_fit_finished()  # a rank that exits without this has left the job early
+        return None
+
+    def at_stop_step(self) -> None:
+        """The loop reached ``stop_at_step``: checkpoint and requeue (raises), or go on."""
+        if self._requeue is not None:
+            self._requeue.at_stop_step(self)
+
+    def resume_position(self) -> tuple[int, dict[str, Any] | None, bool]:
+        """Where a resumed run continues inside its first epoch.
+
+        Returns the number of batches to skip, the random state to take after them (``None``
+        when the run resumes at an epoch boundary), and whether to take it after drawing the
+        next batch (the checkpoint was written from inside ``training_step``, once its batch
+        had been drawn) rather than before.
+        """
+        state, self._resume = self._resume, None
+        return resuming.position(self, state)
+
+    def record_losses(self, losses: list[torch.Tensor]) -> None:
+        """Keep an epoch's step losses, given as 1-D chunks (one transfer per epoch)."""
+        if losses:
+            values = torch.cat(losses).double().cpu().tolist()  # exact at every precision
+            self.losses.extend(values)
+            self.logged_metrics["loss"] = values[-1]
+        self.logged_metrics["epoch"] = float(self.current_epoch)
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """Everything a resumed run needs, as plain tensors and containers.
+
+        Collective-safe: call it on every rank at the same point. The backend's
+        ``gather_state`` supplies the model and optimizers (a sharded backend gathers them);
+        ranks that hold no full copy get ``None``. In a process that did not train (the
+        caller of a spawned run) it is the state the workers handed back, with the model's
+        current weights.
+        """
+        if self._handed_back is not None:
+            return {**self._handed_back, "state_dict": self.model.state_dict()}
+        gathered = self.accelerator.gather_state(self)
+        if gathered is None:
+            return None
+        return self.accelerator.portable({**self.loop_state(), **gathered})
+
+    def loop_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the model and the optimizers (which the backend's
+        ``gather_state`` supplies): the format, the schedulers, the grad scaler, the loop's
+        position and the random states."""
+        return {
+            "format": validation.FORMAT,
+            "cardcage_version": __version__,
+            # what the resume check compares configure_optimizers() with, in the caller
+            OPTIMIZER_TYPES: [type(o).__name__ for o in self.optimization.optimizers],
+            "schedulers": [s.state_dict() for s in self.optimization.schedulers],
+            "scaler": self.accelerator.precision.state_dict(),
+            "epoch": self.current_epoch,
+            "global_step": self.global_step,
+            "batch_idx": self.batch_idx,
+            "rng": checkpoint.rng_state(),
+            "epoch_rng": self.epoch_rng if self.batch_idx or self.in_epoch else None,
+            "rng_after_fetch": self.in_epoch,
+            "run": self.run.record() if self.run is not None else None,
+        }
+
+    # -- moving between processes (ddp_spawn) -----------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_registry"] = None  # pluggy's manager stays behind; attach() reloads it
+        state["_requeue"] = None  # threads and a signal handler belong to one process
+        state["_handed_back"] = None  # workers train, and so hold their own state
+        # Workers read the checkpoint themselves; this process will not: let go of it.
+        state["_checked"] = self._checked = None
+        state["progress"] = ProgressBar(False)
+        state["caller_rng"] = checkpoint.rng_state()  # workers draw as the script would
+        selection = dataclasses.replace(self.selection, environment=None)
+        state["selection"] = selection
+        accelerator = copy.copy(self.accelerator)
+        accelerator.selection = selection
+        state["accelerator"] = accelerator
+        return state
+
+    def _hooks(self) -> Any:
+        self.attach()
+        assert self._registry is not None
+        return self._registry.hooks
+
+    def attach(self) -> None:
+        """Reconnect a trainer that arrived in a new process to this process's plugins."""
+        if self._registry is None:
+            self._registry = plugins.registry(os.environ)
+
+    def export_results(self) -> dict[str, Any] | None:
+        """What a worker hands back to the launching process: the whole training state (a
+        checkpoint), the logged metrics and the losses. Collective-safe, like
+        :meth:`checkpoint_state`; ``None`` on ranks that hold no full copy."""
+        state = self.checkpoint_state()
+        if state is None:
+            return None
+        return {
+            "checkpoint": state,
+            "logged_metrics": dict(self.logged_metrics),
+            "losses": list(self.losses),
+        }
+
+    def apply_results(self, result: dict[str, Any]) -> None:
+        """Take what a worker exported: the weights into the user's model, the counters and
+        metrics, and the rest of the state for a later ``save_checkpoint`` here."""
+        state = dict(result["checkpoint"])
+        self.model.load_state_dict(state.pop("state_dict"))
+        self.logged_metrics = dict(result["logged_metrics"])
+        self.losses = list(result["losses"])
+        self.global_step = int(state["global_step"])
+        self.current_epoch = int(state["epoch"])
+        self.batch_idx = int(state["batch_idx"])
+        self._handed_back = state
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _evaluate(
+        self,
+        model: torch.nn.Module | None,
+        dataloaders: Any,
+        step: str,
+        source: str,
+        prefix: str,
+    ) -> dict[str, float]:
+        if model is not None:
+            check_model(model, needs=step)
+            self.model = model
+        if not callable(getattr(self.model, step, None)):
+            raise MisconfigurationError(
+                f"{prefix}: the model has no {step}(batch, batch_idx). Add it to evaluate."
+            )
+        if dataloaders is None and callable(getattr(self.model, source, None)):
+            dataloaders = getattr(self.model, source)()
+        loaders = _loaders(dataloaders)
+        if not loaders:
+            raise MisconfigurationError(
+                f"{prefix}: no dataloader. Pass dataloaders=... or add {source}() to the model."
+            )
+        if self._handed_back is not None:
+            # Workers trained and are gone: this process evaluates the whole data alone, on
+            # the CPU, with the weights they handed back.
+            alone = Strategy(dataclasses.replace(self.selection, world_size=1, global_rank=0))
+            alone.setup_process(self)
+            return loop.evaluate(self, alone, loaders, step, prefix)
+        if not self._prepared:
+            self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
+            self._prepared = True
+        return loop.evaluate(self, self.accelerator, loaders, step, prefix)
