@@ -22,8 +22,7 @@ import pytest
 
 import cardcage
 import cardcage_submit as sub
-from cardcage.cli import main as cli
-from cardcage.train.requeue import REQUEUED_EXIT_STATUS
+from cardcage.sdk import REQUEUED_EXIT_STATUS
 from cardcage_submit import Grid, SlurmJob
 from cardcage_submit.run import _run_point
 from cardcage_submit.sbatch import _python_command
@@ -488,10 +487,17 @@ def test_states_results_and_cancel(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 # -- the command line --------------------------------------------------------------------------
 
 
-def test_cli_dry_run_prints_each_script(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], function_file: Path
-) -> None:
-    status = cli.main(
+def cardcage_command(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``cardcage ARGV`` as a user runs it (``python -m cardcage``), in this process's
+    environment (the fixtures' variables and PATH included): its status, stdout and stderr."""
+    return subprocess.run(
+        [sys.executable, "-m", "cardcage", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.slow
+def test_cli_dry_run_prints_each_script(tmp_path: Path, function_file: Path) -> None:
+    done = cardcage_command(
         [
             "submit",
             str(function_file),
@@ -513,8 +519,8 @@ def test_cli_dry_run_prints_each_script(
             "3",
         ]
     )
-    out = capsys.readouterr().out
-    assert status == 0
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert out.startswith("# cardcage submit --dry-run: 4 job(s), ddp on 2 node(s) x 2 process(es)")
     assert out.count("#!/bin/bash\n") == 4
     assert out.count("#SBATCH --ntasks-per-node=2\n") == 4
@@ -522,10 +528,9 @@ def test_cli_dry_run_prints_each_script(
     assert not (tmp_path / "g").exists()
 
 
-def test_cli_options_before_and_after_the_target(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    status = cli.main(
+@pytest.mark.slow
+def test_cli_options_before_and_after_the_target(tmp_path: Path) -> None:
+    done = cardcage_command(
         [
             "submit",
             "--nodes",
@@ -539,8 +544,8 @@ def test_cli_options_before_and_after_the_target(
             str(tmp_path),
         ]
     )
-    document = json.loads(capsys.readouterr().out)
-    assert status == 0
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
     assert document["plan"]["nodes"] == 2
     assert [job["hparams"] for job in document["jobs"]] == [{"a": 1}]
 
@@ -570,19 +575,17 @@ def test_cli_options_before_and_after_the_target(
         (["jobs", "/nonexistent/grid"], "holds no submitted grid"),
     ],
 )
-def test_cli_errors_exit_2_with_one_line(
-    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli.main(argv) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("cardcage: error: ") and expected in captured.err
-    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+@pytest.mark.slow
+def test_cli_errors_exit_2_with_one_line(argv: list[str], expected: str) -> None:
+    done = cardcage_command(argv)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.startswith("cardcage: error: ") and expected in done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
 
 
-def test_cli_jobs_table(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.slow
+def test_cli_jobs_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bin_ = tmp_path / "bin"
     _fake_commands(bin_)
     monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
@@ -591,9 +594,11 @@ def test_cli_jobs_table(
     job.folder.mkdir(parents=True)
     (job.folder / sub.RESULT_FILE).write_text(json.dumps({"result": {"loss": 0.25}}))
     Grid(root, [job], {"accelerator": "ddp", "nodes": 2, "processes_per_node": 4}).save()
-    assert cli.main(["jobs", str(root)]) == 0
-    out = capsys.readouterr().out.splitlines()
+    done = cardcage_command(["jobs", str(root)])
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
     assert out[0] == f"grid {root}: 1 job(s), ddp on 2 node(s) x 4 process(es)"
     assert out[2].split() == ["0", "101", "RUNNING", "lr=0.1", "layers=16", '{"loss":', "0.25}"]
-    assert cli.main(["jobs", str(root), "--cancel", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["cancelled"] == ["101"]
+    done = cardcage_command(["jobs", str(root), "--cancel", "--json"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["cancelled"] == ["101"]

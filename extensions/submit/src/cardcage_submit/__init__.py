@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import cardcage
 
 if TYPE_CHECKING:
-    from cardcage.plugins.commands import Commands
+    from cardcage.sdk import Commands
     from cardcage_submit.cli import add_jobs_arguments as add_jobs_arguments
     from cardcage_submit.cli import add_submit_arguments as add_submit_arguments
     from cardcage_submit.cli import job_from_arguments as job_from_arguments

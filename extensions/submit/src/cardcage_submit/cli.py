@@ -10,9 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cardcage.config.arguments import add_trainer_flags, trainer_flags
-from cardcage.config.flags import Flags
-from cardcage.errors import MisconfigurationError
+from cardcage.sdk import Flags, MisconfigurationError, add_trainer_flags, trainer_flags
 from cardcage_submit.external import SubmissionError
 from cardcage_submit.grid import Value, _describe, parse_grid_option
 from cardcage_submit.jobs import Grid

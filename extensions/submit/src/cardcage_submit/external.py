@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from cardcage.errors import MisconfigurationError
+from cardcage.sdk import MisconfigurationError
 
 #: cardcage-submit's requirement on submitit (its pyproject.toml), for messages.
 SUBMITIT_REQUIREMENT = "submitit>=1.5.4,<1.6"

@@ -7,7 +7,7 @@ import itertools
 import re
 from collections.abc import Mapping, Sequence
 
-from cardcage.errors import MisconfigurationError
+from cardcage.sdk import FLAG_NAMES, MisconfigurationError
 
 Value = bool | int | float | str
 
@@ -42,8 +42,6 @@ def parse_grid_option(text: str) -> tuple[str, list[Value]]:
 
 
 def _check_name(name: object, source: str) -> str:
-    from cardcage.config.flags import FLAG_NAMES
-
     if not isinstance(name, str) or not name.isidentifier():
         raise MisconfigurationError(
             f"{source}: hyperparameter name {name!r} is not a Python identifier. Use names "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cardcage.errors import MisconfigurationError
+from cardcage.sdk import MisconfigurationError
 from cardcage_submit.external import SubmissionError, _slurm, _submitit
 from cardcage_submit.files import MANIFEST, RESULT_FILE, _write_json
 from cardcage_submit.grid import Value

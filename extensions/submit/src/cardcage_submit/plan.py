@@ -8,6 +8,7 @@ it (``SlurmJob`` adds ``dry_run`` and ``submit`` to the description), never the 
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -15,13 +16,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from cardcage.config.variables import REQUEUE_SIGNAL, parse_signal
-from cardcage.environments.slurm import INTERACTIVE_SLURM_JOB_NAMES
-from cardcage.errors import MisconfigurationError
+import cardcage
+from cardcage.sdk import (
+    FLAG_NAMES,
+    INTERACTIVE_SLURM_JOB_NAMES,
+    REQUEUE_SIGNAL,
+    MisconfigurationError,
+    parse_signal,
+)
 from cardcage_submit.grid import parse_value
 
 if TYPE_CHECKING:
-    from cardcage.backend.selection_types import Selection
+    from cardcage.sdk import Selection
 
 #: sbatch options cardcage sets itself; ``sbatch=`` may not override them.
 RESERVED_SBATCH = frozenset(
@@ -181,10 +187,14 @@ def _positive(name: str, value: object, *, zero: bool = False, what: str = "") -
     return value
 
 
+def _did_you_mean(name: str, choices: Sequence[str]) -> str:
+    """`` Did you mean 'x'?`` (the closest of ``choices``) or an empty string."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def _trainer_flags(job: JobDescription) -> tuple[dict[str, Any], int]:
     """The Trainer flags of the job, and the GPUs per node to ask SLURM for."""
-    from cardcage.config.flags import FLAG_NAMES
-
     if not isinstance(job.trainer, Mapping):
         raise MisconfigurationError(
             f"trainer={job.trainer!r} is not valid: pass the Trainer flags as a mapping, e.g. "
@@ -193,11 +203,9 @@ def _trainer_flags(job: JobDescription) -> tuple[dict[str, Any], int]:
     flags = dict(job.trainer)
     unknown = [name for name in flags if name not in FLAG_NAMES]
     if unknown:
-        from cardcage.config.flags import did_you_mean
-
         raise MisconfigurationError(
             f"trainer={{{unknown[0]!r}: ...}}: {unknown[0]!r} is not a Trainer flag."
-            f"{did_you_mean(unknown[0], FLAG_NAMES)} Known flags: {', '.join(FLAG_NAMES)}."
+            f"{_did_you_mean(unknown[0], FLAG_NAMES)} Known flags: {', '.join(FLAG_NAMES)}."
         )
     num_nodes = flags.get("num_nodes")
     if num_nodes is not None and num_nodes != job.nodes:
@@ -241,8 +249,6 @@ def _trainer_flags(job: JobDescription) -> tuple[dict[str, Any], int]:
 
 
 def _plan(job: JobDescription) -> Plan:
-    from cardcage.selection.engine import select
-
     nodes = _positive("nodes", job.nodes)
     gpus_per_node = _positive("gpus_per_node", job.gpus_per_node, zero=True)
     time_min = parse_time(job.time)
@@ -336,7 +342,7 @@ def _plan(job: JobDescription) -> Plan:
     flags, gpus_per_node = _trainer_flags(job)
     base = _planning_env(job)
     # Selection as a compute node with gpus_per_node GPUs sees it (the login node may have none)
-    launching = select(env=base, device_count=gpus_per_node, **flags)
+    launching = cardcage.select(env=base, device_count=gpus_per_node, **flags)
     per_node = launching.num_processes
     inside = {
         **base,
@@ -351,7 +357,7 @@ def _plan(job: JobDescription) -> Plan:
         "SLURM_NODELIST": "node1",
         REQUEUE_SIGNAL: signal_name or "none",
     }
-    in_job: Selection = select(env=inside, device_count=gpus_per_node, **flags)
+    in_job: Selection = cardcage.select(env=inside, device_count=gpus_per_node, **flags)
     if in_job.cluster != "slurm" or in_job.world_size != nodes * per_node:
         said = " ".join(in_job.warnings)
         raise MisconfigurationError(

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cardcage.config.variables import parse_signal
+from cardcage.sdk import REQUEUED_EXIT_STATUS, Trainer, parse_signal
 from cardcage_submit.files import POINT_FILE, RESULT_FILE, _json_safe, _write_json
 from cardcage_submit.grid import Value
 
 if TYPE_CHECKING:
-    from cardcage.train.trainer import Trainer
     from cardcage_submit.target import GridPoint
 
 #: Inside a job: the path of the grid point's ``hparams.json`` (:func:`current_run`).
@@ -41,8 +40,6 @@ class Run:
     def trainer(self, **overrides: Any) -> Trainer:
         """A :class:`cardcage.Trainer` with the submitted flags, ``default_root_dir`` the
         point's folder (it holds the requeue checkpoint), and ``overrides``."""
-        from cardcage.train.trainer import Trainer
-
         flags = {**self.trainer_flags, "default_root_dir": str(self.folder), **overrides}
         return Trainer(**flags)
 
@@ -89,8 +86,6 @@ def _take_signals(requeue_signal: str | None) -> None:
 
 def _run_point(point: GridPoint) -> Any:
     """Run one grid point in one task of its job (called by submitit in every task)."""
-    from cardcage.train.requeue import REQUEUED_EXIT_STATUS
-
     _take_signals(point.requeue_signal)
     os.environ[RUN_VARIABLE] = str(Path(point.folder) / POINT_FILE)
     target = point.target

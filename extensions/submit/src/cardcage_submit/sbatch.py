@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cardcage.config.variables import REQUEUE_SIGNAL
+from cardcage.sdk import REQUEUE_SIGNAL
 from cardcage_submit.external import _submitit
 from cardcage_submit.grid import _describe
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cardcage.errors import MisconfigurationError
+from cardcage.sdk import MisconfigurationError
 from cardcage_submit.external import SubmissionError, _submitit
 from cardcage_submit.files import MANIFEST, POINT_FILE, _json_safe, _write_json
 from cardcage_submit.grid import Value, _describe, _point_folder_name, expand_grid

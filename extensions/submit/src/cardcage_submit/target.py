@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cardcage.errors import MisconfigurationError
+from cardcage.sdk import MisconfigurationError
 from cardcage_submit.files import _json_safe
 from cardcage_submit.grid import Value
 
