@@ -3,7 +3,9 @@
 - lint: ruff check and ruff format --check over the repository, and lint-imports: the
   import contracts of the core (its layers; no import of a backend plugin), configured under
   [tool.importlinter] in pyproject.toml.
-- typecheck: mypy (strict, configured in pyproject.toml) over core/ and extensions/submit/.
+- typecheck: mypy (strict, configured in pyproject.toml) over core/, extensions/submit/, every
+  backend plugin's module and examples/plugin-tutorial; then over the modules of two fresh
+  `cardcage new-plugin` scaffolds (one process, and --distributed).
 - core: core/tests, tests/ and extensions/submit/tests with the core, all nine backend
   plugins and the extension cardcage-submit (`cardcage submit`, on submitit) installed.
 - docs: the documentation site (mkdocs.yml, docs/) built with `mkdocs build --strict` into
@@ -120,10 +122,21 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over core/src/cardcage and extensions/submit, with their dependencies."""
-    # pytest: cardcage.testing (the conformance kit) is a pytest plugin.
+    """mypy --strict over what [tool.mypy] lists (the core, extensions/submit, every backend
+    plugin's module, the plugin tutorial), then over the two modules `cardcage new-plugin`
+    writes (one process, and --distributed): a plugin author's first mypy run must pass."""
+    # pytest: cardcage.testing (the conformance kit) is a pytest plugin. The plugins are not
+    # installed: mypy finds their modules by path, and horovod/torch_xla are ignored imports.
     _install(session, SUBMIT_EXTENSION, tools=(TOOLS["mypy"], TOOLS["pytest"]))
     session.run("mypy", *session.posargs)
+    scaffolds = Path(session.create_tmp()) / "scaffolds"
+    shutil.rmtree(scaffolds, ignore_errors=True)
+    modules = []
+    for name, options in (("scaffold_single", ()), ("scaffold_distributed", ("--distributed",))):
+        directory = scaffolds / name
+        session.run("cardcage", "new-plugin", name, "--directory", str(directory), *options)
+        modules.append(str(directory / f"cardcage_{name}.py"))
+    session.run("mypy", *modules)
 
 
 @nox.session

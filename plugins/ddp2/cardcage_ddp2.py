@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cardcage.sdk import (
     Accelerator,
@@ -90,11 +89,12 @@ class DDP2Accelerator(DistributedAccelerator):
         grads = [p.grad for p in self.parallel_parameters() if p.grad is not None]
         if not grads:
             return
-        flat = _flatten_dense_tensors(grads)
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat /= self.world_size
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(averaged)
+        pieces = torch.split(flat, [grad.numel() for grad in grads])
+        for grad, averaged in zip(grads, pieces, strict=True):
+            grad.copy_(averaged.view_as(grad))
 
     def parallel_parameters(self) -> list[torch.nn.Parameter]:
         assert self.parallel is not None

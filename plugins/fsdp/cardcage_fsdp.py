@@ -27,7 +27,7 @@ from cardcage.sdk import (
     Resolution,
     SelectionContext,
     SpawnLauncher,
-    Trainer,
+    TrainerProtocol,
     distributed_availability,
     hookimpl,
     load_checkpoint_file,
@@ -140,7 +140,7 @@ class FSDPAccelerator(DistributedAccelerator):
 
     # -- each rank ------------------------------------------------------------------------
 
-    def setup_process(self, trainer: Trainer) -> None:
+    def setup_process(self, trainer: TrainerProtocol) -> None:
         """DistributedAccelerator's setup (ranks, device, process group, placement,
         precision), which shards a copy of the model in :meth:`wrap`; the copy trains."""
         self.user_model = trainer.model
@@ -169,7 +169,7 @@ class FSDPAccelerator(DistributedAccelerator):
             return super().step_function(model, name)
         return lambda *args, **kwargs: redirected(sharded, name, *args, **kwargs)
 
-    def teardown(self, trainer: Trainer) -> None:
+    def teardown(self, trainer: TrainerProtocol) -> None:
         """Put the user's model back in ``trainer.model`` with the full trained weights.
 
         After a failure there is none to gather (the peers are gone): the model stays
@@ -194,7 +194,7 @@ class FSDPAccelerator(DistributedAccelerator):
         named = {id(p): n for n, p in self.sharded.named_parameters()}
         return [named[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
-    def gather_state(self, trainer: Trainer) -> dict[str, Any] | None:
+    def gather_state(self, trainer: TrainerProtocol) -> dict[str, Any] | None:
         """The full model and optimizer state, gathered on rank 0 (every rank must call)."""
         from torch.distributed.checkpoint import state_dict as sd
 
@@ -212,7 +212,7 @@ class FSDPAccelerator(DistributedAccelerator):
         self.barrier("gather_state")
         return {"state_dict": model, "optimizers": optimizers} if self.is_global_zero else None
 
-    def restore_state(self, trainer: Trainer, state: dict[str, Any]) -> None:
+    def restore_state(self, trainer: TrainerProtocol, state: dict[str, Any]) -> None:
         """Each rank takes its shard of the full (or, from a folder, sharded) state."""
         from torch.distributed.checkpoint import state_dict as sd
 
@@ -242,17 +242,17 @@ class FSDPAccelerator(DistributedAccelerator):
             },
         }
 
-    def save_checkpoint(self, trainer: Trainer, path: str | os.PathLike[str]) -> None:
+    def save_checkpoint(self, trainer: TrainerProtocol, path: str | os.PathLike[str]) -> None:
         """``full``: one file (the default). ``sharded``: a folder, each rank writing its
         shards through ``torch.distributed.checkpoint``, and rank 0 the loop's state (with
         the settings of optimizers that have not stepped yet, which hold no shards)."""
         if self.state_dict_type == "full" or self.sharded is None:
             super().save_checkpoint(trainer, path)
             return
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import save
 
         optimizers = trainer.optimization.optimizers
-        dcp.save(
+        save(
             self.sharded_state({i: o for i, o in enumerate(optimizers) if o.state}),
             checkpoint_id=path,
         )
@@ -262,12 +262,14 @@ class FSDPAccelerator(DistributedAccelerator):
             save_checkpoint_file(state, Path(path) / LOOP_FILE)
         self.barrier("save_checkpoint")
 
-    def load_checkpoint(self, trainer: Trainer, path: str | os.PathLike[str]) -> dict[str, Any]:
+    def load_checkpoint(
+        self, trainer: TrainerProtocol, path: str | os.PathLike[str]
+    ) -> dict[str, Any]:
         """A file as written by any backend, or a sharded folder, resharded for this job's
         ranks (any number of them)."""
         if not Path(path).is_dir():
             return super().load_checkpoint(trainer, path)
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_loader import load
 
         state = load_checkpoint_file(Path(path) / LOOP_FILE)
         optimizers = trainer.optimization.optimizers
@@ -275,7 +277,7 @@ class FSDPAccelerator(DistributedAccelerator):
             return {**state, "state_dict": None}  # the core names the mismatch
         stepped = {i: o for i, o in enumerate(optimizers) if state["optimizers"][i] is None}
         shards = self.sharded_state(stepped)  # this job's layout: DCP reads into it
-        dcp.load(shards, checkpoint_id=path)
+        load(shards, checkpoint_id=path)
         for i in stepped:
             state["optimizers"][i] = shards["optimizers"][str(i)]
         return {**state, "state_dict": shards["model"]}

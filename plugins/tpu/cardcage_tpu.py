@@ -29,7 +29,7 @@ from cardcage.sdk import (
     MisconfigurationError,
     Rule,
     SelectionContext,
-    Trainer,
+    TrainerProtocol,
     WorkerLauncher,
     environ,
     hookimpl,
@@ -243,7 +243,7 @@ class SingleCoreLauncher(Launcher):
     """``tpu_cores=1``: ``xmp.spawn(fn, nprocs=1)``, which runs ``fn`` in this process after
     setting it up for one device (on a TPU, the runtime then takes a single chip)."""
 
-    def launch(self, trainer: Trainer) -> Any:
+    def launch(self, trainer: TrainerProtocol) -> Any:
         import torch_xla.distributed.xla_multiprocessing as xmp
 
         _choose_device_type()
@@ -251,7 +251,7 @@ class SingleCoreLauncher(Launcher):
         return None
 
 
-def _fit_here(index: int, trainer: Trainer) -> None:
+def _fit_here(index: int, trainer: TrainerProtocol) -> None:
     trainer.run_fit_loop()
 
 
@@ -260,7 +260,7 @@ class XmpLauncher(WorkerLauncher):
 
     unpicklable_hint = "or train on one core (tpu_cores=1)"
 
-    def describe(self, trainer: Trainer) -> str:
+    def describe(self, trainer: TrainerProtocol) -> str:
         return f"tpu_cores={trainer.flags.tpu_cores!r}"
 
     def start_workers(self, payload: bytes, folder: Path) -> None:
@@ -289,7 +289,7 @@ def _replica(index: int, payload: bytes, folder: str) -> None:
     run_worker(payload, folder, before_fit=_mark_replicated, failure_rank=xr.global_ordinal)
 
 
-def _mark_replicated(trainer: Trainer) -> None:
+def _mark_replicated(trainer: TrainerProtocol) -> None:
     trainer.accelerator.replicated = True  # type: ignore[attr-defined]
 
 

@@ -28,7 +28,7 @@ from cardcage.sdk import (
     Resolution,
     Rule,
     SelectionContext,
-    Trainer,
+    TrainerProtocol,
     WorkerLauncher,
     convert_batchnorm,
     env_switch,
@@ -177,7 +177,7 @@ class HorovodAccelerator(Accelerator):
 
     # -- each rank ------------------------------------------------------------------------
 
-    def setup_process(self, trainer: Trainer) -> None:
+    def setup_process(self, trainer: TrainerProtocol) -> None:
         """``hvd.init()``, this rank's device (or share of the cores), rank 0's weights."""
         hvd = _hvd()
         hvd.init()
@@ -197,7 +197,7 @@ class HorovodAccelerator(Accelerator):
             self.precision.check_device()
         hvd.broadcast_parameters(trainer.model.state_dict(), root_rank=0)
 
-    def setup_optimizers(self, trainer: Trainer) -> None:
+    def setup_optimizers(self, trainer: TrainerProtocol) -> None:
         """Scale the learning rates; give each optimizer rank 0's settings and Horovod's wrapper."""
         hvd = _hvd()
         if self.scale_lr_by_size and self.world_size > 1:
@@ -225,7 +225,7 @@ class HorovodAccelerator(Accelerator):
         with skip() if skip is not None else contextlib.nullcontext():
             self.precision.step(optimizer)
 
-    def on_epoch_end(self, trainer: Trainer) -> None:
+    def on_epoch_end(self, trainer: TrainerProtocol) -> None:
         """``hvd.join()``: ranks out of batches serve the others' allreduces with zeros
         instead of hanging; then all continue from the rank that trained the most."""
         if self.world_size <= 1:
@@ -239,7 +239,7 @@ class HorovodAccelerator(Accelerator):
             for optimizer in self.distributed_optimizers:
                 broadcast_optimizer(hvd, optimizer, root_rank=source)
 
-    def teardown(self, trainer: Trainer) -> None:
+    def teardown(self, trainer: TrainerProtocol) -> None:
         """Drop the gradient hooks of this fit's DistributedOptimizers, which Horovod cannot
         remove: a later fit of the same parameters here would allreduce each one twice."""
         for optimizer in self.distributed_optimizers:

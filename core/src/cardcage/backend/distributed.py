@@ -22,7 +22,7 @@ import torch.distributed as dist
 from cardcage.backend.accelerator import Accelerator
 from cardcage.backend.launch import error_files as failures
 from cardcage.backend.launch import rendezvous, watchdog
-from cardcage.backend.launch.launcher import ScriptLauncher
+from cardcage.backend.launch.launcher import Launcher, ScriptLauncher
 from cardcage.backend.strategy import group_exit as exits
 from cardcage.backend.strategy.samplers import distributed_loader
 from cardcage.backend.strategy.step_runner import StepRunner
@@ -76,7 +76,7 @@ class DistributedAccelerator(Accelerator):
     process_group_backend: ClassVar[str | None] = None
     needs_rendezvous: ClassVar[bool] = True
     #: Script relaunch, or the processes a cluster made; ddp_spawn uses workers instead.
-    launcher = ScriptLauncher
+    launcher: ClassVar[type[Launcher]] = ScriptLauncher
 
     def __init__(self, selection: Any):
         super().__init__(selection)

@@ -2,8 +2,9 @@
 
 :class:`TrainerProtocol` is the part of :class:`cardcage.Trainer` that the layers below it
 use. Typing against it keeps those layers from importing the Trainer (which imports them),
-so the core's modules import only downwards. Plugins may keep annotating with
-``cardcage.sdk.Trainer``: the Trainer is the one implementation.
+so the core's modules import only downwards. A plugin's overrides of the Strategy and
+Launcher methods take it too (``cardcage.sdk.TrainerProtocol``): annotated with the concrete
+``cardcage.sdk.Trainer``, an override narrows its argument, which mypy rejects.
 """
 
 from __future__ import annotations
