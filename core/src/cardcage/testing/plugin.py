@@ -5,17 +5,23 @@ only subclass :class:`~cardcage.testing.BackendSuite`. Each check that takes ``l
 once per declared launch (class-scoped, so a launch's job runs once), and the training
 equivalence check once per scenario.
 
-It also gives every test the :func:`fake_cuda` fixture: ``fake_cuda(n)`` makes torch report
-``n`` GPUs for the rest of the test, for selection checks on a machine without them.
+It also gives every test three fixtures: ``fake_cuda(n)`` makes torch report ``n`` GPUs for
+the rest of the test, for selection checks on a machine without them;
+``inprocess_plugins(plugin, name)`` registers a plugin module or object defined in the test
+and ``inprocess_accelerators(name, *classes)`` one made of accelerator classes, both
+unregistered when the test ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import types
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
+
+if TYPE_CHECKING:
+    from cardcage.backend.accelerator import Accelerator
 
 
 def pytest_generate_tests(metafunc: Any) -> None:
@@ -40,8 +46,51 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
     backend a GPU machine would get. Nothing may train on the fake GPUs.
     """
 
+    import torch  # here, not at import: pytest loads this plugin in every session
+
     def set_count(count: int) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
     return set_count
+
+
+@pytest.fixture
+def inprocess_plugins() -> Iterator[Callable[[object, str], None]]:
+    """``inprocess_plugins(plugin, name)``: register a plugin for this test only; every one
+    is unregistered (and the loaded registries forgotten) when the test ends."""
+    from cardcage.plugins import manager
+
+    names: list[str] = []
+
+    def add(plugin: object, name: str) -> None:
+        names.append(name)
+        manager.register(plugin, name)
+
+    try:
+        yield add
+    finally:
+        for name in names:
+            manager.unregister(name)
+
+
+@pytest.fixture
+def inprocess_accelerators(
+    inprocess_plugins: Callable[[object, str], None],
+) -> Callable[..., None]:
+    """``inprocess_accelerators(name, *classes)``: register accelerator classes as one
+    in-process plugin named ``name``, for this test only."""
+
+    from cardcage.plugins.spec import hookimpl
+
+    def add(name: str, *classes: type[Accelerator]) -> None:
+        module = types.ModuleType(f"cardcage_{name}")
+
+        @hookimpl
+        def cardcage_accelerators() -> list[type[Accelerator]]:
+            return list(classes)
+
+        module.cardcage_accelerators = cardcage_accelerators  # type: ignore[attr-defined]
+        inprocess_plugins(module, name)
+
+    return add

@@ -864,7 +864,7 @@ def test_checkpoint_error_survives_pickling() -> None:
 
 # -- the requeue checkpoint on a full disk --------------------------------------------------------
 
-WORKER = Path(__file__).resolve().parent / "slurm" / "scripts" / "requeue_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "slurm" / "scripts" / "requeue_worker.py"
 
 
 def free_port() -> int:

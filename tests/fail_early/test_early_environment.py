@@ -200,7 +200,7 @@ def test_a_restart_leaves_no_restart_variable_for_the_next_trainer(
     script.write_text(SECOND_TRAINER)
     out = tmp_path / "out"
     out.mkdir()
-    scripts = Path(__file__).parent / "distributed" / "scripts"
+    scripts = Path(__file__).resolve().parents[1] / "distributed" / "scripts"
     run = harness.start([kit_harness.PYTHON, str(script), str(scripts), str(out)])
     run.check(timeout=kit_harness.RUN_TIMEOUT)
     assert "restart 1 of max_restarts=1" in run.stderr
