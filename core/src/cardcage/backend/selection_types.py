@@ -2,7 +2,8 @@
 (:class:`TraceEntry`) and the decision (:class:`Selection`).
 
 They sit low in the core, below the backends that read them and the engine that makes them
-(:mod:`cardcage.selection.engine`, :mod:`cardcage.selection.rules`), which re-export them.
+(:mod:`cardcage.selection.engine`, :mod:`cardcage.selection.rules`). ``cardcage`` and
+``cardcage.sdk`` make them public.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ this job or another, is still writing.
 
 Checking ``resume_from_checkpoint`` before anything starts, and reading a checkpoint file
 with every failure explained (what :func:`load` does), are in
-:mod:`cardcage.checkpoints.validation`; the names used elsewhere are re-exported here.
+:mod:`cardcage.checkpoints.validation`.
 """
 
 from __future__ import annotations

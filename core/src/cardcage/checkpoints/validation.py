@@ -7,7 +7,7 @@ model (a backend's folder format too) and whose optimizer states fit the model's
 :func:`cardcage.checkpoints.io.load` reads a file. Every failure (missing, empty, truncated, not
 a torch file, refused by ``weights_only``, not a cardcage checkpoint, not the model's, not
 its optimizers') raises :class:`~cardcage.errors.MisconfigurationError` saying which.
-:mod:`cardcage.checkpoints.io`, which writes checkpoints, re-exports the names used outside.
+Writing checkpoints is :mod:`cardcage.checkpoints.io`'s.
 """
 
 from __future__ import annotations

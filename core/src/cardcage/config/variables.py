@@ -7,8 +7,7 @@ starts (``select``, and so the ``Trainer`` constructor), so that a bad value is 
 never a failure of a training process minutes later.
 
 The parsers live here and the modules that act on a variable call them: the switches
-(:func:`env_switch`, also ``cardcage.environments.base.env_switch`` and the SDK's), the
-requeue signal (:func:`parse_signal`, also ``cardcage.config.variables.parse_signal``), the
+(:func:`env_switch`, also the SDK's), the requeue signal (:func:`parse_signal`), the
 plugin settings (:mod:`cardcage.plugins.manager`). Two kinds of ``CARDCAGE_*`` variable are
 not here:
 

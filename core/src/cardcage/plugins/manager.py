@@ -13,7 +13,7 @@ A name in ``CARDCAGE_PLUGINS`` or ``CARDCAGE_DISABLE_PLUGINS`` that no installed
 distribution provides warns (with a did-you-mean) and is listed by ``cardcage plugins``. The
 variables are parsed by :mod:`cardcage.config.variables`; what to say about them (unknown names, no
 backend loaded, a shipped backend not loaded, install hints) is in
-:mod:`cardcage.plugins.settings`, whose public names are re-exported here.
+:mod:`cardcage.plugins.settings`.
 
 Nothing here imports a backend's engine (horovod, torch_xla); only the plugin modules.
 A plugin's check that takes long (a backend's ``availability``) is named on stderr while it

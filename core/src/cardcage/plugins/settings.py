@@ -5,7 +5,6 @@ The settings are the four ``CARDCAGE_*PLUGINS*`` variables (parsed by
 loads. Here: which they are, the install hint of each shipped backend, and the explanations:
 a name in ``CARDCAGE_PLUGINS`` or ``CARDCAGE_DISABLE_PLUGINS`` that no installed plugin has, a
 registry with no backend, a shipped backend whose plugin is installed but not loaded.
-:mod:`cardcage.plugins.manager` re-exports the public names.
 """
 
 from __future__ import annotations

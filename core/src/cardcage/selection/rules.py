@@ -3,8 +3,8 @@
 Used by :func:`cardcage.select`, which gathers the flags, GPUs and cluster environment into a
 :class:`SelectionContext` and then either resolves the named ``distributed_backend``
 (:func:`resolve_named`) or evaluates every rule in ascending order (:func:`run_rules`).
-``SelectionContext`` and ``TraceEntry`` are public as ``cardcage.selection.engine.SelectionContext``
-and ``cardcage.selection.engine.TraceEntry`` (and ``cardcage.SelectionContext``).
+Their types (:class:`~cardcage.backend.selection_types.SelectionContext`, ``TraceEntry``) are
+in :mod:`cardcage.backend.selection_types`.
 """
 
 from __future__ import annotations
