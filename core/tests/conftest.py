@@ -1,4 +1,5 @@
-"""Shared fixtures: a fake GPU count, and in-process plugins that are always removed."""
+"""Shared fixtures: fixed fake GPU counts (``fake_cuda(n)`` comes from the conformance kit's
+pytest plugin), and in-process plugins that are always removed."""
 
 from __future__ import annotations
 
@@ -39,12 +40,6 @@ def cuda_count_2(monkeypatch: pytest.MonkeyPatch) -> int:
 @pytest.fixture
 def cuda_count_4(monkeypatch: pytest.MonkeyPatch) -> int:
     return _fake_cuda(monkeypatch, 4)
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], int]:
-    """Set the GPU count inside a test: ``fake_cuda(2)``."""
-    return lambda count: _fake_cuda(monkeypatch, count)
 
 
 @pytest.fixture

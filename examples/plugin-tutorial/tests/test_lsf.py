@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cardcage import MisconfigurationError, select
-from cardcage.plugins import manager as plugins
+from cardcage import MisconfigurationError, sdk, select
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "lsf"}
 HOSTS = ("node07", "node08")
@@ -33,7 +32,7 @@ def jsrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 
 
 def test_it_registers_a_backend_and_a_cluster_environment() -> None:
-    registry = plugins.registry(ALONE)
+    registry = sdk.registry(ALONE)
     found = registry.accelerators["lsf"]
     assert (found.plugin, found.distribution) == ("lsf", "cardcage-lsf")
     assert registry.canonical("jsrun") == "lsf"

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cardcage import MisconfigurationError, select
-from cardcage.plugins import manager as plugins
+from cardcage import MisconfigurationError, sdk, select
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "cpu"}
 
@@ -20,7 +19,7 @@ def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_it_is_discovered_through_its_entry_point() -> None:
-    found = plugins.registry({}).accelerators["cpu"]
+    found = sdk.registry({}).accelerators["cpu"]
     assert (found.plugin, found.distribution) == ("cpu", "cardcage-cpu")
 
 

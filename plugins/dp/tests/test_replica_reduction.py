@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from cardcage.backend.strategy.step_runner import replica_shares
-from cardcage.sdk import StepRunner, reduce_replica_outputs
+from cardcage.sdk import StepRunner, reduce_replica_outputs, replica_shares
 
 LR = 0.5
 

@@ -13,8 +13,7 @@ import cardcage_fsdp
 import pytest
 import torch
 
-from cardcage import MisconfigurationError, select
-from cardcage.plugins import manager as plugins
+from cardcage import MisconfigurationError, sdk, select
 from cardcage.testing.harness import Harness
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "fsdp"}
@@ -26,7 +25,7 @@ JOB = Path(__file__).with_name("fsdp_job.py")
 
 
 def test_both_names_come_from_its_entry_point() -> None:
-    found = plugins.registry({}).accelerators
+    found = sdk.registry({}).accelerators
     for name in ("fsdp", "fsdp_spawn"):
         assert (found[name].plugin, found[name].distribution) == ("fsdp", "cardcage-fsdp")
 

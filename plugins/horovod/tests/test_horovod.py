@@ -12,15 +12,14 @@ import textwrap
 import pytest
 import torch
 
-from cardcage import Availability, MisconfigurationError, select
-from cardcage.plugins import manager as plugins
+from cardcage import Availability, MisconfigurationError, sdk, select
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"}
 HOROVODRUN = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"}
 
 
 def horovod_backend() -> type:
-    cls: type = plugins.registry(ALONE).accelerators["horovod"].cls
+    cls: type = sdk.registry(ALONE).accelerators["horovod"].cls
     return cls
 
 
@@ -50,7 +49,7 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_it_is_discovered_through_its_entry_point() -> None:
-    found = plugins.registry({}).accelerators["horovod"]
+    found = sdk.registry({}).accelerators["horovod"]
     assert (found.plugin, found.distribution) == ("horovod", "cardcage-horovod")
 
 
@@ -102,9 +101,8 @@ def test_discovery_and_selection_never_import_horovod() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from cardcage import MisconfigurationError, select
-        from cardcage.plugins import manager as plugins
-        assert "horovod" in plugins.registry({}).accelerators
+        from cardcage import MisconfigurationError, sdk, select
+        assert "horovod" in sdk.registry({}).accelerators
         try:
             select(env={"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"})
         except MisconfigurationError:

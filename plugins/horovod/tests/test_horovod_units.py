@@ -23,9 +23,13 @@ from cardcage_horovod import (
 
 import cardcage
 from cardcage import Availability, MisconfigurationError, select
-from cardcage.environments.base import ClusterEnvironment
-from cardcage.plugins import manager as plugins
-from cardcage.sdk import modules_by_value
+from cardcage.sdk import (
+    ClusterEnvironment,
+    modules_by_value,
+    register_plugin,
+    registry,
+    unregister_plugin,
+)
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "horovod"}
 HOROVODRUN = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0"}
@@ -36,7 +40,7 @@ BUILD_HELPER = Path(__file__).parents[1] / "cardcage_horovod" / "build.py"
 
 @pytest.fixture
 def with_horovod(monkeypatch: pytest.MonkeyPatch) -> None:
-    cls = plugins.registry(ALONE).accelerators["horovod"].cls
+    cls = registry(ALONE).accelerators["horovod"].cls
     monkeypatch.setattr(cls, "availability", classmethod(lambda cls, ctx: Availability(True)))
 
 
@@ -273,11 +277,11 @@ class Scheduler(ClusterEnvironment):
 def scheduler() -> Iterator[None]:
     module = types.ModuleType("cardcage_scheduler")
     module.cardcage_cluster_environments = cardcage.hookimpl(lambda: [Scheduler])  # type: ignore[attr-defined]
-    plugins.register(module, "scheduler")
+    register_plugin(module, "scheduler")
     try:
         yield
     finally:
-        plugins.unregister("scheduler")
+        unregister_plugin("scheduler")
 
 
 def test_under_any_cluster_that_started_the_processes_it_is_refused(

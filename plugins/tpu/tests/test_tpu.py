@@ -12,14 +12,13 @@ import textwrap
 
 import pytest
 
-from cardcage import Availability, MisconfigurationError, select
-from cardcage.plugins import manager as plugins
+from cardcage import Availability, MisconfigurationError, sdk, select
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "tpu"}
 
 
 def tpu_backend() -> type:
-    cls: type = plugins.registry(ALONE).accelerators["tpu"].cls
+    cls: type = sdk.registry(ALONE).accelerators["tpu"].cls
     return cls
 
 
@@ -48,7 +47,7 @@ def with_xla(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_it_is_discovered_through_its_entry_point() -> None:
-    found = plugins.registry({}).accelerators["tpu"]
+    found = sdk.registry({}).accelerators["tpu"]
     assert (found.plugin, found.distribution) == ("tpu", "cardcage-tpu")
 
 
@@ -97,9 +96,8 @@ def test_discovery_and_selection_never_import_torch_xla() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from cardcage import MisconfigurationError, select
-        from cardcage.plugins import manager as plugins
-        assert "tpu" in plugins.registry({}).accelerators
+        from cardcage import MisconfigurationError, sdk, select
+        assert "tpu" in sdk.registry({}).accelerators
         try:
             select(env={"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "tpu"})
         except MisconfigurationError:

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from cardcage import Availability, MisconfigurationError, select
-from cardcage.plugins import manager as plugins
+from cardcage import Availability, MisconfigurationError, sdk, select
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "tpu"}
 
@@ -21,7 +20,7 @@ ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "tpu"}
 @pytest.fixture
 def backend(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The tpu backend class, made available whatever is installed."""
-    cls = plugins.registry(ALONE).accelerators["tpu"].cls
+    cls = sdk.registry(ALONE).accelerators["tpu"].cls
     monkeypatch.setattr(cls, "availability", classmethod(lambda c, ctx: Availability(True)))
     return cls
 
