@@ -3,8 +3,9 @@ a full install: every selection loads this plugin alone (``ALONE``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
-import torch
 
 from cardcage import MisconfigurationError, sdk, select
 
@@ -12,10 +13,9 @@ ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "cpu"}
 
 
 @pytest.fixture
-def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pretend torch sees one GPU (selection counts GPUs through these two calls only)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+def one_gpu(fake_cuda: Callable[[int], None]) -> None:
+    """Torch reports one GPU (the kit's ``fake_cuda``)."""
+    fake_cuda(1)
 
 
 def test_it_is_discovered_through_its_entry_point() -> None:

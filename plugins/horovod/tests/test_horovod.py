@@ -8,9 +8,9 @@ import importlib.util
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
-import torch
 
 from cardcage import Availability, MisconfigurationError, sdk, select
 
@@ -43,9 +43,8 @@ def with_horovod(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+def no_gpu(fake_cuda: Callable[[int], None]) -> None:
+    fake_cuda(0)
 
 
 def test_it_is_discovered_through_its_entry_point() -> None:
@@ -88,10 +87,9 @@ def test_it_claims_processes_started_by_mpirun(with_horovod: None) -> None:
     ("flags", "flag"), [({"gpus": 2}, "gpus=2"), ({"num_nodes": 2}, "num_nodes=2")]
 )
 def test_it_refuses_process_counts_from_flags(
-    with_horovod: None, monkeypatch: pytest.MonkeyPatch, flags: dict[str, int], flag: str
+    with_horovod: None, fake_cuda: Callable[[int], None], flags: dict[str, int], flag: str
 ) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    fake_cuda(2)
     with pytest.raises(MisconfigurationError, match=rf"with {flag}: .*horovodrun -np"):
         select(env=ALONE, distributed_backend="horovod", **flags)
 

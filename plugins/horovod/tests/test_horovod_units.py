@@ -8,7 +8,7 @@ import importlib.util
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,8 @@ def with_horovod(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+def gpus(fake_cuda: Callable[[int], None]) -> None:
+    fake_cuda(2)
 
 
 def build_helper() -> Any:
