@@ -71,3 +71,18 @@ def test_a_worker_launcher_names_num_processes_when_it_asks_for_several(
     assert launcher.describe(several) == "distributed_backend='ddp_spawn' with num_processes=2"
     one = cardcage.Trainer(distributed_backend="ddp_spawn", gpus=None, num_nodes=2)
     assert SpawnLauncher(one.accelerator).describe(one) == "distributed_backend='ddp_spawn'"
+
+
+def test_a_rank_knows_its_node_and_whether_it_hands_results_back() -> None:
+    """What a sharded gather_state needs to know without a collective: this rank's node,
+    and the ranks (each node's local rank 0) whose state is handed back to the caller."""
+    env = {"NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    selection = select(env=env, distributed_backend="ddp_cpu", num_processes=3, num_nodes=2)
+    accelerator = Probe(selection)
+    assert (accelerator.node_rank, accelerator.world_size) == (1, 6)
+    assert accelerator.hand_back_ranks == [0, 3]
+    accelerator.global_rank, accelerator.local_rank = 3, 0
+    assert accelerator.hands_back_results and not accelerator.is_global_zero
+    accelerator.global_rank, accelerator.local_rank = 4, 1
+    assert not accelerator.hands_back_results
+    assert Probe(select(env={})).hand_back_ranks == [0]

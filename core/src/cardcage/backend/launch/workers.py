@@ -230,7 +230,7 @@ def _train_worker(
         before_fit(trainer)
     trainer.run_fit_loop()
     results = trainer.export_results()
-    if trainer.accelerator.local_rank == 0:
+    if trainer.accelerator.hands_back_results:
         if results is None:
             raise RuntimeError(
                 f"{type(trainer.accelerator).__name__}.gather_state returned None on local "

@@ -47,11 +47,28 @@ class Strategy:
         self.global_rank = selection.global_rank
         self.local_rank = selection.local_rank
         self.world_size = selection.world_size
+        #: This process's node (0 on a single machine), from the cluster environment.
+        self.node_rank = selection.node_rank
 
     @property
     def is_global_zero(self) -> bool:
         """Whether this process is rank 0 of the whole job."""
         return self.global_rank == 0
+
+    @property
+    def hands_back_results(self) -> bool:
+        """Whether this rank hands the trained state back when workers were started for a
+        ``fit`` (``ddp_spawn``, horovod, tpu): each node's local rank 0 does, so its
+        :meth:`gather_state` must return the full state."""
+        return self.local_rank == 0
+
+    @property
+    def hand_back_ranks(self) -> list[int]:
+        """The global ranks that hand results back: each node's local rank 0, with the same
+        number of processes on every node (as the worker launchers start them)."""
+        nodes = max(1, self.selection.num_nodes)
+        per_node = max(1, self.world_size // nodes)
+        return [node * per_node for node in range(nodes)]
 
     # -- setting up and tearing down this process ----------------------------------------------
 
@@ -156,8 +173,10 @@ class Strategy:
 
         Called on every rank at the same point (a checkpoint, a requeue, the results handed
         back from workers), so a sharded backend may run collectives here to gather its
-        shards. Ranks that write (global rank 0 for checkpoints, each node's local rank 0
-        for handed-back results) must get the full state; other ranks may return ``None``.
+        shards. Ranks that write must get the full state: global rank 0
+        (:attr:`is_global_zero`) for checkpoints, and, when workers hand their results back,
+        each node's local rank 0 (:attr:`hands_back_results`; their global ranks are
+        :attr:`hand_back_ranks`). Other ranks may return ``None``.
         The default costs nothing: every rank holds the full state already.
         """
         return {
