@@ -248,7 +248,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_bad_configuration_is_refused_with_a_useful_message(
-    case: Bad, fake_cuda: Callable[[int], int]
+    case: Bad, fake_cuda: Callable[[int], None]
 ) -> None:
     fake_cuda(case.gpus)
     with pytest.raises(MisconfigurationError) as error:

@@ -18,6 +18,7 @@ from cardcage.errors import (
     MisconfigurationError,
     NonFiniteLossError,
     PluginError,
+    RankFailedError,
 )
 from cardcage.plugins.spec import hookimpl
 from cardcage.selection.engine import select
@@ -35,6 +36,7 @@ __all__ = [
     "MisconfigurationError",
     "NonFiniteLossError",
     "PluginError",
+    "RankFailedError",
     "Resolution",
     "Rule",
     "Selection",
