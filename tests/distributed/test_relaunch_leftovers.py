@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from cardcage.backend.launch import tempdirs
+from cardcage.backend.launch.relaunch import ERRORS_PREFIX
 from cardcage.backend.launch.restarts import FOLDER_PREFIX as CHECKPOINTS_PREFIX
-from cardcage.backend.launch.script import ERRORS_PREFIX
 from cardcage.config import owners
 
 from .conftest import leftover_processes

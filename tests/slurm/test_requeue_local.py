@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import cardcage
-from cardcage.train import requeue
-from cardcage.train import stop_step as agreement
+from cardcage.train import requeue, stop_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -277,7 +276,7 @@ def test_a_late_rank_moves_every_rank_to_a_later_step() -> None:
         handlers.append(handler)
     clients = [TCPStore("127.0.0.1", server.port, is_master=False) for _ in handlers]
     threads = [
-        threading.Thread(target=agreement.agree, args=(handler, client), daemon=True)
+        threading.Thread(target=stop_step.agree, args=(handler, client), daemon=True)
         for handler, client in zip(handlers, clients, strict=True)
     ]
     for thread in threads:

@@ -218,7 +218,9 @@ class FakeEngine(EngineStrategy):
     def __init__(self, rank: int = 0, group: Group | None = None) -> None:
         size = len(group.slots) if group else 1
         flags = SimpleNamespace(precision=32, replace_sampler_ddp=True)
-        place = SimpleNamespace(flags=flags, global_rank=rank, local_rank=rank, world_size=size)
+        place = SimpleNamespace(
+            flags=flags, global_rank=rank, local_rank=rank, world_size=size, node_rank=0
+        )
         super().__init__(place)  # type: ignore[arg-type]
         self.group = group
         self.events: list[Any] = []

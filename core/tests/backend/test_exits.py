@@ -10,17 +10,17 @@ import time
 
 import pytest
 
-from cardcage.backend.strategy import group_exit as exits
+from cardcage.backend.strategy import group_exit
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
 def _thread(target: object) -> int:
-    started = exits.threads()
+    started = group_exit.threads()
     worker = threading.Thread(target=target, daemon=True)
     worker.start()
     time.sleep(0.05)
-    (tid,) = exits.threads() - started
+    (tid,) = group_exit.threads() - started
     return tid
 
 
@@ -28,7 +28,7 @@ def test_a_sleeping_thread_is_settled_at_once() -> None:
     stop = threading.Event()
     tid = _thread(stop.wait)
     began = time.monotonic()
-    assert exits.settle({tid}, timeout=1.0)
+    assert group_exit.settle({tid}, timeout=1.0)
     assert time.monotonic() - began < 0.5
     stop.set()
 
@@ -45,8 +45,8 @@ def test_a_busy_thread_is_waited_for_until_the_timeout() -> None:
     tid = _thread(spin)
     try:
         began = time.monotonic()
-        assert not exits.settle({tid}, timeout=0.3)
+        assert not group_exit.settle({tid}, timeout=0.3)
         assert time.monotonic() - began >= 0.3
     finally:
         stop.set()
-    assert exits.settle({tid}, timeout=2.0)  # done spinning: settled
+    assert group_exit.settle({tid}, timeout=2.0)  # done spinning: settled

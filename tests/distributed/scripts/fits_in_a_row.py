@@ -32,8 +32,7 @@ def state() -> dict[str, Any]:
     """What a fit could change in this process."""
     import torch.distributed as dist
 
-    from cardcage.backend.launch import rendezvous
-    from cardcage.backend.launch import script as relaunch
+    from cardcage.backend.launch import relaunch, rendezvous
 
     handlers = {}
     for sig in signal.valid_signals():

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage.train import stop_step as agreement
+from cardcage.train import stop_step
 
 
 class Model(torch.nn.Module):
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--backend", default=None, help="distributed_backend (default: the rules)")
     args = parser.parse_args()
     if args.margin is not None:
-        agreement.MARGIN_S = args.margin
+        stop_step.MARGIN_S = args.margin
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(args.samples, 4, generator=generator)
     data = TensorDataset(x, (x[:, :1] - x[:, 1:2] * x[:, 2:3]).tanh())

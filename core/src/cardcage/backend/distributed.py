@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 from cardcage.backend.accelerator import Accelerator
-from cardcage.backend.launch import error_files as failures
-from cardcage.backend.launch import rendezvous, watchdog
+from cardcage.backend.launch import error_files, rendezvous, watchdog
 from cardcage.backend.launch.launcher import Launcher, ScriptLauncher
-from cardcage.backend.strategy import group_exit as exits
+from cardcage.backend.strategy import group_exit
 from cardcage.backend.strategy.samplers import distributed_loader
 from cardcage.backend.strategy.step_runner import StepRunner
 from cardcage.config import variables
@@ -115,7 +114,7 @@ class DistributedAccelerator(Accelerator):
         if backend == "gloo" and self.world_size == self.local_world_size and loopback:
             # One node: gloo listens on loopback, not on the address the hostname has.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        before = exits.threads()
+        before = group_exit.threads()
         if store is None and os.environ.get(rendezvous.HOSTED_STORE) == "1":
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -157,10 +156,10 @@ class DistributedAccelerator(Accelerator):
             _set_pg_timeout = dist.distributed_c10d._set_pg_timeout  # no public API for this
             _set_pg_timeout(watchdog.collective_timeout())
         if backend == "gloo":
-            # Gloo's threads must be done before the interpreter finalizes (see exits.py).
-            exits.register(exits.threads() - before)
+            # Gloo's threads must be done before the interpreter finalizes (see group_exit.py).
+            group_exit.register(group_exit.threads() - before)
         # Where no launcher watches (torchrun), a peer that finds this rank gone names it.
-        failures.join(store, self.global_rank, self.world_size)
+        error_files.join(store, self.global_rank, self.world_size)
         log.info(
             "cardcage: rank %d of %d joined the %s process group",
             self.global_rank,

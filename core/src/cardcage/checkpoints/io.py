@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from cardcage.checkpoints import validation as resume_checks
+from cardcage.checkpoints import validation
 from cardcage.checkpoints.validation import LOOP_FILE, Checked
 from cardcage.config import owners
 from cardcage.errors import CheckpointError
@@ -339,7 +339,7 @@ def load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, A
         _reusable.set(None)  # once: the caller may change what it was given
         assert checked.payload is not None
         return checked.payload
-    return resume_checks.read(path, map_location)
+    return validation.read(path, map_location)
 
 
 _reusable: ContextVar[Checked | None] = ContextVar("cardcage_checked_checkpoint", default=None)

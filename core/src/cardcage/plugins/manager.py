@@ -167,9 +167,9 @@ class PluginManager:
         self.extra = dict(extra or {})
         self.pm = _HookManager(spec.NAME)
         self.pm.add_hookspecs(spec)
-        from cardcage.plugins import core_hooks as lifecycle
+        from cardcage.plugins import core_hooks
 
-        self.pm.register(lifecycle, name="cardcage.plugins.core_hooks")
+        self.pm.register(core_hooks, name="cardcage.plugins.core_hooks")
         self.strict = strict_plugins(env)
         self.records: list[PluginRecord] = []
 

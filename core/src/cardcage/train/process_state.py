@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from cardcage.backend.launch import rendezvous
-from cardcage.backend.launch import script as relaunch
+from cardcage.backend.launch import relaunch, rendezvous
 
 __all__ = ["Snapshot", "as_found"]
 

@@ -29,9 +29,8 @@ from cardcage.config.model_contract import Optimization, check_model, configure_
 from cardcage.errors import MisconfigurationError
 from cardcage.plugins import manager as plugins
 from cardcage.selection.engine import probe_pending_gpus, select
-from cardcage.train import loop, requeue
+from cardcage.train import loop, requeue, stop_step
 from cardcage.train import resume as resuming
-from cardcage.train import stop_step as agreement
 from cardcage.train.process_state import as_found
 from cardcage.train.progress import ProgressBar
 
@@ -127,7 +126,7 @@ class Trainer:
         self.losses: list[float] = []
         self._resume: dict[str, Any] | None = None
         #: The step the loop stops at for a requeue (cardcage.train.requeue); never reached: -1.
-        self.stop_at_step = agreement.NEVER
+        self.stop_at_step = stop_step.NEVER
         self._requeue: requeue.RequeueHandler | None = None
         self._prepared = False
         #: What workers handed back (a checkpoint): save_checkpoint writes it in the caller.

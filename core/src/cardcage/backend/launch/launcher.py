@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cardcage.backend.launch import script as relaunch
+from cardcage.backend.launch import relaunch
 from cardcage.backend.launch.error_files import departure, write_error_file
 from cardcage.backend.launch.rendezvous import DEFAULT_ADDRESS
 
