@@ -107,6 +107,13 @@ def _install(session: nox.Session, *projects: str, tools: tuple[str, ...] = ()) 
     session.install("--no-build-isolation", TORCH, *editables, *tools)
 
 
+def _testpaths(*paths: str) -> tuple[str, str]:
+    """pytest's option for a session's default test paths, as pytest's ``testpaths``: they are
+    collected only when the arguments name no path. So ``nox -s core -- FILE`` runs FILE alone,
+    and ``nox -s core -- -k NAME`` (options only) still looks through every default path."""
+    return "-o", "testpaths=" + " ".join(paths)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the repository; lint-imports over the core."""
@@ -147,7 +154,9 @@ def core(session: nox.Session) -> None:
     _install(session, *plugins, SUBMIT_EXTENSION, tools=(TOOLS["pytest"],))
     # The extension must load and register its commands; a failure is an error here.
     session.run("cardcage", "plugins", env={"CARDCAGE_STRICT_PLUGINS": "1"}, silent=True)
-    session.run("pytest", "core/tests", "tests", "extensions/submit/tests", *session.posargs)
+    session.run(
+        "pytest", *_testpaths("core/tests", "tests", "extensions/submit/tests"), *session.posargs
+    )
 
 
 @nox.session
@@ -257,7 +266,7 @@ def _backend_session(name: str) -> None:
         session.run("python", "-c", ONLY_PLUGIN, name)
         # The plugin must load and register; a failure is an error here, not a skip.
         session.run("cardcage", "plugins", env={"CARDCAGE_STRICT_PLUGINS": "1"})
-        session.run("pytest", f"plugins/{name}/tests", *session.posargs)
+        session.run("pytest", *_testpaths(f"plugins/{name}/tests"), *session.posargs)
 
     session_function.__doc__ = f"plugins/{name}/tests, with the core and cardcage-{name} alone."
     nox.session(name=name, tags=["backends"])(session_function)
@@ -302,7 +311,7 @@ def tpu(session: nox.Session) -> None:
     env = {"PJRT_DEVICE": "CPU"}
     session.run("python", "-c", ONLY_PLUGIN, "tpu")
     session.run("cardcage", "plugins", env={**env, "CARDCAGE_STRICT_PLUGINS": "1"})
-    session.run("pytest", "plugins/tpu/tests", *session.posargs, env=env)
+    session.run("pytest", *_testpaths("plugins/tpu/tests"), *session.posargs, env=env)
 
 
 def _engine(session: nox.Session) -> str:
