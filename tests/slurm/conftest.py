@@ -3,8 +3,9 @@
 They start real daemons (and, as root, install the Debian packages when missing), so they
 run only when asked for: ``pytest tests/slurm`` (or ``nox -s slurm``), or with
 ``CARDCAGE_SLURM_TESTS=1``. A broader run (``pytest``, ``pytest tests``) skips them with
-that reason. Without root, or without a way to install SLURM, they skip with the reason.
-``CARDCAGE_SLURM_KEEP=1`` keeps the cluster's folder (logs, state) after the session.
+that reason. Without root, or without a way to install SLURM, they skip with the reason; under
+CI (``CI`` set, as CI services do) they fail with it instead, since the slurm session exists to
+run them. ``CARDCAGE_SLURM_KEEP=1`` keeps the cluster's folder (logs, state) after the session.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def _asked_for(config: pytest.Config) -> bool:
     return False
 
 
+def _under_ci() -> bool:
+    """CI services set ``CI`` (``true``): there a cluster that cannot start is a failure."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slurm: needs the private SLURM cluster of tests/slurm (root, Linux)"
@@ -70,10 +76,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[object]:
     """A running two-node cluster (nodes n1, n2; 4 CPUs each); stopped after the session."""
+    unavailable: str | None = None
     try:
         cluster = cluster_module.start(tie_to_parent=True)
     except cluster_module.Unavailable as error:
-        pytest.skip(str(error))
+        unavailable = str(error)
+    if unavailable is not None:
+        # The slurm session exists to run these: under CI a cluster that cannot start fails it.
+        if _under_ci():
+            pytest.fail(f"the SLURM cluster cannot start under CI: {unavailable}", pytrace=False)
+        pytest.skip(unavailable)
     try:
         yield cluster
     finally:
