@@ -3,8 +3,10 @@
 The spec names the Trainer flags of a launch and the scenarios to run. Every process that
 runs this script (the caller; under script relaunch, torchrun or a manual multi-node launch,
 every rank) runs the scenarios in order, each with fresh Trainers, and writes what it saw to
-``<out>/<scenario>-rank<R>.json``. A scenario named ``fail`` makes rank 1 raise at its second
-step; it runs alone, in an invocation of its own.
+``<out>/<scenario>-rank<R>.json``. Each rank builds its models from a seed of its own (rank 0
+from the plain loop's), so a backend must start every rank from rank 0's weights. A scenario
+named ``fail`` makes rank 1 raise at its second step; it runs alone, in an invocation of its
+own.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from cardcage.testing.models import (
     KitModel,
     flat,
     loader,
+    seed_for_rank,
 )
 
 
@@ -162,9 +165,16 @@ SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
 }
 
 
+#: Where launchers put a process's global rank: torchrun (and cardcage's script relaunch,
+#: once it ran), horovodrun, Open MPI's mpirun, MPICH and Intel MPI (PMI), and LSF's jsrun.
+RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK")
+
+
 def _rank() -> int:
-    """This process's global rank as its launcher set it (torchrun, horovodrun, mpirun)."""
-    for name in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
+    """This process's global rank as its launcher set it; in a node started by hand before
+    its backend set ``RANK`` (one process per node until then), its node rank; else 0 (the
+    script of a single process, or the caller whose spawned workers train)."""
+    for name in (*RANK_VARIABLES, "NODE_RANK"):
         if os.environ.get(name):
             return int(os.environ[name])
     return 0
@@ -176,6 +186,7 @@ def main(argv: list[str]) -> int:
     job.out.mkdir(parents=True, exist_ok=True)
     for name in spec["scenarios"]:
         os.environ[SCENARIO] = name
+        seed_for_rank(_rank())  # every rank but 0 builds other initial weights
         result = SCENARIOS[name](job)
         rank = _rank()
         result.update(rank=rank, pid=os.getpid())

@@ -27,6 +27,8 @@ FEATURES = 4
 HIDDEN = 3
 #: Samples of the training data, of the validation data, and of the uneven scenarios.
 SAMPLES, VAL_SAMPLES, UNEVEN_SAMPLES = 64, 32, 71
+#: How far apart the seeds of different ranks' models are (see :func:`seed_for_rank`).
+RANK_SEED_STEP = 1000
 
 
 class _Current(threading.local):
@@ -37,6 +39,23 @@ class _Current(threading.local):
 
 
 current = _Current()
+
+
+class _Seeding:
+    """What this process adds to the seed of every :class:`KitModel` it builds."""
+
+    offset = 0
+
+
+_seeding = _Seeding()
+
+
+def seed_for_rank(rank: int) -> None:
+    """Build this process's KitModels from ``seed + RANK_SEED_STEP * rank``: rank 0 from the
+    plain loop's seed, every other rank from other initial weights. Only a backend that
+    starts every rank from rank 0's weights (as DistributedDataParallel's constructor
+    broadcasts them) then trains like the plain loop."""
+    _seeding.offset = RANK_SEED_STEP * rank
 
 
 def record(event: str, **details: Any) -> None:
@@ -140,7 +159,7 @@ class KitModel(torch.nn.Module):
         self, optimizer: str = "sgd", seed: int = 0, save_at: tuple[int, str] | None = None
     ):
         super().__init__()
-        self.net = make_net(seed)
+        self.net = make_net(seed + _seeding.offset)  # rank 0: the plain loop's weights
         self.optimizer = optimizer
         self.save_at = save_at  # (global step, path): checkpoint from inside training_step
 

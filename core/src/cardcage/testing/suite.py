@@ -100,6 +100,26 @@ class JobOutput:
         data: dict[str, Any] = json.loads(path.read_text())
         return data
 
+    def results(self, scenario: str) -> dict[int, dict[str, Any]]:
+        """``{rank: result}`` of every process that wrote one for ``scenario``. Rank 0's must
+        be there; where the kit started every rank's script itself (torchrun, horovodrun,
+        nodes, ranks), every rank's must, or two processes took one rank. Under the
+        ``python`` command, spawned workers write none: their caller reports rank 0."""
+        found: dict[int, dict[str, Any]] = {}
+        for path in self.out.glob(f"{scenario}-rank*.json"):
+            rank = path.name.removeprefix(f"{scenario}-rank").removesuffix(".json")
+            if rank.isdigit():
+                found[int(rank)] = self.result(scenario, int(rank))
+        wanted = {0}
+        if self.launch.command != "python":
+            wanted = set(range(self.launch.world_size))
+        missing = sorted(wanted - set(found))
+        assert self.returncode == 0 and not missing, (
+            f"the job exited {self.returncode} without the {scenario} result of rank(s) "
+            f"{missing} ({len(found)} written)\n{self.output}"
+        )
+        return dict(sorted(found.items()))
+
     def traces(self) -> dict[str, list[dict[str, Any]]]:
         """``{"pid/thread": events}`` of every thread that traced: callers and training
         processes (the replicas XLA runs as threads of one process each count apart)."""

@@ -97,13 +97,16 @@ class TrainingChecks(SuiteBase):
                 )
 
     def test_trains_like_a_plain_loop(self, kit_job: JobOutput, scenario: str) -> None:
-        """Weights equal a plain loop's at batch = world size x per-process batch."""
+        """Every rank's weights equal a plain loop's at batch = world size x per-process
+        batch, from rank 0's initial weights (each rank builds its model from its own seed:
+        the backend must start them all from rank 0's)."""
         self.skip_unsupported(scenario)
         self.assert_backend_trained(kit_job)
-        result = kit_job.result(scenario)
+        results = kit_job.results(scenario)
         wanted = expected(scenario, kit_job.launch.world_size, self.batch_size)
-        for key, weights in wanted.items():
-            self.close(result[key], weights, f"{scenario} ({key})")
+        for rank, result in results.items():
+            for key, weights in wanted.items():
+                self.close(result[key], weights, f"{scenario} ({key}, rank {rank})")
 
     def test_lifecycle(self, kit_job: JobOutput) -> None:
         """setup then train once per fit in the caller; in each training process,
