@@ -30,6 +30,16 @@ from cardcage.sdk import (
 )
 
 
+def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers, as DistributedDataParallel's
+    constructor does: each process built its own model, perhaps from another seed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
 class DDP2Accelerator(DistributedAccelerator):
     name = "ddp2"
     rules = ()
@@ -66,6 +76,10 @@ class DDP2Accelerator(DistributedAccelerator):
         return torch.device("cuda", gpu_ids[0]) if gpu_ids else torch.device("cpu")
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Every node starts from rank 0's weights, then runs DataParallel replicas (GPUs)
+        or the model itself (CPU). No DistributedDataParallel here, so no constructor
+        broadcasts rank 0's parameters and buffers: ``broadcast_from_rank_zero`` does."""
+        broadcast_from_rank_zero(model)
         runner = StepRunner(model, self.precision.autocast)
         gpu_ids = self.selection.gpu_ids
         return torch.nn.DataParallel(runner, device_ids=gpu_ids) if gpu_ids else runner

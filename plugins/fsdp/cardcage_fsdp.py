@@ -109,6 +109,19 @@ def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return {"state": {names[i]: v for i, v in state["state"].items()}, "param_groups": groups}
 
 
+def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers, as DistributedDataParallel's
+    constructor does (``fully_shard`` does not): each process built its own model, perhaps
+    from another seed, and each rank keeps its shard of what it holds."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
 class FSDPAccelerator(DistributedAccelerator):
     name = "fsdp"
     rules = ()  # selected by name only: sharding is a choice of memory over speed
@@ -156,6 +169,7 @@ class FSDPAccelerator(DistributedAccelerator):
         low = {16: torch.float16, "bf16": torch.bfloat16}.get(self.precision.precision)
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
         sharded = copy.deepcopy(model)
+        broadcast_from_rank_zero(sharded)  # before sharding: every shard cut from rank 0's
         for module in shard_targets(sharded):
             fully_shard(module, mp_policy=policy)
         fully_shard(sharded, mp_policy=policy)
