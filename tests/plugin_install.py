@@ -7,16 +7,22 @@ on ``PYTHONPATH``, so the test environment itself is never modified.
 
 pytest's importlib import mode (pyproject.toml) does not put tests/ on ``sys.path``;
 tests/conftest.py imports this module so that those test files can ``import plugin_install``.
+core/tests load it by its path (core/tests/plugins/test_plugin_manager.py puts the plugins it
+installs on ``sys.path`` for one test); :func:`environment_without` makes an environment that
+lacks a distribution this one has.
 """
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 import importlib.util
 import os
 import subprocess
 import sys
+import sysconfig
+import venv
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -97,19 +103,29 @@ def pip_install(target: Path, sources: Sequence[Path], what: str) -> None:
     pytest.fail(f"could not pip-install {what}:\n" + "\n".join(failures))
 
 
-def plugin_source(root: Path, entry_point: str, module_source: str) -> Path:
-    """A source tree of the plugin distribution ``cardcage-<entry_point>``: one module,
-    ``cardcage_<entry_point>.py`` holding ``module_source``, registered under that entry
-    point, built by hatchling. Returns the folder to give :func:`pip_install`."""
-    module = f"cardcage_{entry_point}"
-    folder = root / f"cardcage-{entry_point}"
+def plugin_source(
+    root: Path,
+    entry_point: str,
+    module_source: str,
+    *,
+    distribution: str | None = None,
+    module: str | None = None,
+) -> Path:
+    """A source tree of the plugin distribution ``distribution`` (``cardcage-<entry_point>``
+    unless given): one module, ``module`` (``cardcage_<entry_point>`` unless given) holding
+    ``module_source``, registered under that entry point, built by hatchling. Returns the
+    folder to give :func:`pip_install`. A distribution of another name registers a taken
+    entry point name without shadowing the installed distribution or module of that name."""
+    distribution = distribution or f"cardcage-{entry_point}"
+    module = module or f"cardcage_{entry_point}"
+    folder = root / distribution
     folder.mkdir(parents=True)
     (folder / "pyproject.toml").write_text(
         "[build-system]\n"
         'requires = ["hatchling>=1.18"]\n'
         'build-backend = "hatchling.build"\n\n'
         "[project]\n"
-        f'name = "cardcage-{entry_point}"\n'
+        f'name = "{distribution}"\n'
         'version = "0.1.0"\n'
         'requires-python = ">=3.10"\n\n'
         "[project.entry-points.cardcage]\n"
@@ -119,3 +135,31 @@ def plugin_source(root: Path, entry_point: str, module_source: str) -> Path:
     )
     (folder / f"{module}.py").write_text(module_source)
     return folder
+
+
+def environment_without(root: Path, distributions: Sequence[str]) -> Path:
+    """A virtual environment at ``root`` holding what this interpreter's environment holds
+    less ``distributions``; returns its ``python``.
+
+    Its site-packages links to every entry of this environment's except the top-level entries
+    those distributions installed there (their metadata, modules and ``.pth`` files, as their
+    RECORD lists them; a folder they share with another distribution would go too), so they
+    are really not installed there, and torch and the rest are not installed again. Run it
+    with :func:`child_env`'s environment.
+    """
+    skipped: set[str] = set()
+    for name in distributions:
+        dist = metadata.distribution(name)
+        tops = {PurePosixPath(str(file)).parts[0] for file in dist.files or ()} - {".."}
+        assert tops, f"{name} lists no files in its RECORD, so they cannot be left out"
+        skipped |= tops
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+    here = {Path(sysconfig.get_path(key)) for key in ("purelib", "platlib")}
+    paths = {"base": str(root), "platbase": str(root)}
+    for key in ("purelib", "platlib"):
+        target = Path(sysconfig.get_path(key, vars=paths))
+        for source in here:
+            for entry in source.iterdir():
+                if entry.name not in skipped and not (target / entry.name).exists():
+                    (target / entry.name).symlink_to(entry)
+    return root / "bin" / "python"

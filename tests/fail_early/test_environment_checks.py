@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import plugin_install
 import pytest
 
 import cardcage
@@ -195,7 +197,10 @@ def test_every_user_facing_variable_is_checked(tmp_path: Path) -> None:
     assert set(bad) | {"CARDCAGE_INIT_TIMEOUT"} <= set(variables.VARIABLES)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="root writes into a folder whatever its permission bits; the /proc/sys test covers root",
+)
 def test_a_folder_that_cannot_be_made_is_refused(tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
@@ -204,6 +209,19 @@ def test_a_folder_that_cannot_be_made_is_refused(tmp_path: Path) -> None:
             variables.check_variables({"CARDCAGE_REQUEUE_DIR": str(locked / "requeue")})
     finally:
         locked.chmod(0o700)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/sys"), reason="no /proc/sys on this system")
+def test_a_folder_that_cannot_be_made_is_refused_even_for_root() -> None:
+    """/proc/sys refuses new entries to everyone: the kernel grants root only r-x on its
+    folders, whatever root may do elsewhere."""
+    place = "/proc/sys/cardcage-requeue"
+    with pytest.raises(MisconfigurationError) as error:
+        variables.check_variables({"CARDCAGE_REQUEUE_DIR": place})
+    assert f"CARDCAGE_REQUEUE_DIR={place!r} would be made in '/proc/sys', which is not " in str(
+        error.value
+    )
+    assert not os.path.exists(place)
 
 
 def test_switches_and_signals_parse_as_documented() -> None:
@@ -284,23 +302,35 @@ def test_every_backend_disabled_says_which_variable_did_it(cuda_count_0: int) ->
     assert "no backend is loaded" in message and "CARDCAGE_DISABLE_PLUGINS=" in message
 
 
+# Run in an environment without cardcage-ddp2: it prints what it found and the error's message.
+WITHOUT_DDP2 = """
+import importlib.metadata, importlib.util
+import cardcage
+found = sorted(ep.name for ep in importlib.metadata.entry_points(group="cardcage"))
+print("found:", found, importlib.util.find_spec("cardcage_ddp2"))
+try:
+    cardcage.select(env={}, distributed_backend="ddp2")
+except cardcage.MisconfigurationError as error:
+    print("refused:", error)
+"""
+
+
+@pytest.mark.slow
 def test_a_shipped_backend_that_is_not_installed_names_the_install_command(
-    cuda_count_0: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    real = metadata.entry_points
-
-    def without_ddp2(**params: Any) -> Any:
-        found = real(**params)
-        return [ep for ep in found if ep.name != "ddp2"] if params.get("group") else found
-
-    monkeypatch.setattr(plugins.metadata, "entry_points", without_ddp2)
-    plugins.clear_cache()
-    try:
-        with pytest.raises(MisconfigurationError, match=r"pip install cardcage-ddp2.*pick"):
-            select(env={}, distributed_backend="ddp2")
-    finally:
-        monkeypatch.undo()
-        plugins.clear_cache()
+    """A real environment without cardcage-ddp2: this one less that distribution."""
+    python = plugin_install.environment_without(tmp_path / "venv", ["cardcage-ddp2"])
+    env = plugin_install.child_env(
+        [], plugin_install.STEERING_PREFIXES, plugin_install.STEERING_NAMES
+    )
+    result = subprocess.run(
+        [python, "-c", WITHOUT_DDP2], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, plugin_install.describe(result)
+    found, _, refused = result.stdout.partition("\nrefused: ")
+    assert "'ddp'" in found and "'ddp2'" not in found and found.endswith(" None"), found
+    assert re.search(r"pip install cardcage-ddp2.*pick", refused), refused
 
 
 @pytest.mark.slow

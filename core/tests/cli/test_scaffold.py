@@ -1,12 +1,16 @@
 """``cardcage new-plugin``: the names it derives, the files it writes, what it refuses.
 
-In-process and fast; tests/test_new_plugin.py installs a generated plugin and trains with it.
+In-process and fast, but for one (slow) that pip-installs a throwaway plugin whose name is
+then refused; tests/test_new_plugin.py installs a generated plugin and trains with it.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tomllib
@@ -100,9 +104,33 @@ def test_bad_names_are_refused(name: str, match: str, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_a_name_an_installed_plugin_has_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scaffold, "_installed_plugin", lambda name: "cardcage-acme 0.3.1")
-    with pytest.raises(MisconfigurationError, match=r"installed cardcage plugin \(cardcage-acme"):
+@functools.cache
+def _plugin_install() -> Any:
+    """tests/plugin_install.py, the helpers that pip-install throwaway plugin distributions
+    (tests/conftest.py makes it importable for tests/ alone, so it is loaded by its path)."""
+    path = Path(__file__).resolve().parents[3] / "tests" / "plugin_install.py"
+    spec = importlib.util.spec_from_file_location("plugin_install", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_name_an_installed_plugin_has_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin distribution pip-installed into a folder put first on ``sys.path``."""
+    helpers = _plugin_install()
+    source = helpers.plugin_source(tmp_path / "src", "acme", "", distribution="cardcage-acme-npu")
+    helpers.pip_install(tmp_path / "site", [source], "the acme plugin")
+    scaffold.plugin_names("acme")  # not installed yet: accepted
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(
+        MisconfigurationError,
+        match=r"new-plugin NAME='acme' is already the name of an installed cardcage plugin "
+        r"\(cardcage-acme-npu 0\.1\.0\)",
+    ):
         scaffold.plugin_names("acme")
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
+import functools
+import importlib.util
+import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -306,29 +309,47 @@ def test_naming_a_plugin_that_is_not_installed_is_recorded() -> None:
     assert "no installed distribution" in (record.error or "")
 
 
+@functools.cache
+def _plugin_install() -> Any:
+    """tests/plugin_install.py, the helpers that pip-install throwaway plugin distributions
+    (tests/conftest.py makes it importable for tests/ alone, so it is loaded by its path)."""
+    path = Path(__file__).resolve().parents[3] / "tests" / "plugin_install.py"
+    spec = importlib.util.spec_from_file_location("plugin_install", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
-def extra_entry_points(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[metadata.EntryPoint]]:
-    """Entry points added to the installed ones, as if more distributions were installed."""
-    added: list[metadata.EntryPoint] = []
-    real = metadata.entry_points
+def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``install(entry_point, module_source, distribution=..., module=...)``: pip-installs a
+    plugin distribution into a folder put first on ``sys.path``, so it is installed for this
+    test only; its module leaves ``sys.modules`` afterwards."""
+    site = tmp_path / "site"
+    monkeypatch.syspath_prepend(str(site))
 
-    def entry_points(**params: Any) -> Any:
-        return [*real(**params), *added] if params.get("group") == "cardcage" else real(**params)
+    def install(entry_point: str, module_source: str, **names: str) -> None:
+        helpers = _plugin_install()
+        source = helpers.plugin_source(tmp_path / "src", entry_point, module_source, **names)
+        helpers.pip_install(site, [source], f"the {entry_point!r} plugin")
+        importlib.invalidate_caches()
+        module = names.get("module", f"cardcage_{entry_point}")
+        monkeypatch.delitem(sys.modules, module, raising=False)
 
-    monkeypatch.setattr(plugins.metadata, "entry_points", entry_points)
-    yield added
+    return install
 
 
+@pytest.mark.slow
 def test_an_entry_point_that_fails_to_import_is_recorded_and_skipped(
-    extra_entry_points: list[metadata.EntryPoint],
+    install: Callable[..., None],
 ) -> None:
-    extra_entry_points.append(
-        metadata.EntryPoint(name="ghost", value="cardcage_no_such_module", group="cardcage")
-    )
+    install("ghost", "import cardcage_no_such_module  # noqa: F401\n")
     registry = PluginManager({}).load()
     (record,) = [r for r in registry.plugins if r.name == "ghost"]
     assert record.status == "failed"
-    assert "ModuleNotFoundError" in (record.error or "")
+    # Its own module was found; the import inside it failed.
+    assert "ModuleNotFoundError: No module named 'cardcage_no_such_module'" in (record.error or "")
     assert "cpu" in registry.accelerators
     with pytest.raises(PluginError, match="'ghost'"):
         PluginManager({"CARDCAGE_STRICT_PLUGINS": "1"}).load()
@@ -337,13 +358,15 @@ def test_an_entry_point_that_fails_to_import_is_recorded_and_skipped(
     assert _status(disabled.plugins)["ghost"] == "disabled"
 
 
-def test_two_entry_points_of_one_name_are_an_error(
-    extra_entry_points: list[metadata.EntryPoint],
-) -> None:
-    extra_entry_points.append(
-        metadata.EntryPoint(name="cpu", value="cardcage_cpu", group="cardcage")
-    )
-    with pytest.raises(PluginError, match=r"two distributions register the cardcage plugin 'cpu'"):
+@pytest.mark.slow
+def test_two_entry_points_of_one_name_are_an_error(install: Callable[..., None]) -> None:
+    # A distribution of its own name and module: both it and cardcage-cpu register 'cpu'.
+    install("cpu", "", distribution="cardcage-cpu-fork", module="cardcage_cpu_fork")
+    with pytest.raises(
+        PluginError,
+        match=r"two distributions register the cardcage plugin 'cpu': cardcage-cpu-fork and "
+        r"cardcage-cpu\.",
+    ):
         PluginManager({}).load()
 
 
