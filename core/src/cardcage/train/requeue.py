@@ -333,8 +333,12 @@ class RequeueHandler:
         job = self.environment.job_id()
         state = trainer.checkpoint_state()  # every rank: a sharded backend gathers here
         if self.rank == 0:
-            assert state is not None, "gather_state returned None on rank 0"
             try:
+                if state is None:
+                    raise CheckpointError(
+                        f"{type(trainer.accelerator).__name__}.gather_state returned None on "
+                        "rank 0, which writes the requeue checkpoint: return the full state there"
+                    )
                 checkpoint.save_atomic(state, self.path)
             except CheckpointError as error:
                 # No checkpoint, so no requeue: every rank fails with the cause, now (the
