@@ -212,7 +212,7 @@ def wheels(session: nox.Session) -> None:
     session.install(TOOLS["pytest"], "packaging")
     session.run(
         "pytest",
-        "tests/wheels",
+        *_testpaths("tests/wheels"),
         *session.posargs,
         env={"CARDCAGE_WHEELS_TESTS": "1", "CARDCAGE_DIST": str(DIST)},
     )
@@ -224,7 +224,8 @@ def slurm(session: nox.Session) -> None:
     cluster the tests start."""
     plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn", "./plugins/fsdp")
     _install(session, *plugins, SUBMIT_EXTENSION, tools=(TOOLS["pytest"],))
-    session.run("pytest", "tests/slurm", *session.posargs, env={"CARDCAGE_SLURM_TESTS": "1"})
+    slurm_env = {"CARDCAGE_SLURM_TESTS": "1"}
+    session.run("pytest", *_testpaths("tests/slurm"), *session.posargs, env=slurm_env)
 
 
 # Prints the entry points of the group `cardcage` and fails unless `name` is the only one.
