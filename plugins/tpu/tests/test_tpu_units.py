@@ -1,10 +1,16 @@
 """The parts of cardcage-tpu that need no XLA device: what ``tpu_cores`` means to the backend,
-precision, and how the job travels to the replicas. They pass with or without torch-xla."""
+precision, and how the job travels to the replicas. They pass with or without torch-xla; the
+launch settings of every core are checked through a real ``xmp.spawn`` on XLA's CPU device,
+where torch-xla is installed (``nox -s tpu``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +21,7 @@ import torch
 from cardcage import Availability, MisconfigurationError, sdk, select
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "tpu"}
+HERE = Path(__file__).parent
 
 
 @pytest.fixture
@@ -81,26 +88,21 @@ def test_an_unpicklable_model_is_named_before_anything_starts() -> None:
         pickled(job)
 
 
-def test_launch_settings_are_added_where_unset_and_taken_back(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Every core on XLA's CPU device: xmp.spawn starts the replicas with the synchronous CPU
-    client, unless the user chose one; the setting is taken back afterwards."""
-    pytest.importorskip("torch_xla", reason="torch_xla is not installed (nox -s tpu has it)")
-    import torch_xla
-    import torch_xla.distributed.xla_multiprocessing as xmp
-    from cardcage_tpu import XmpLauncher
-
-    seen: list[str | None] = []
-    monkeypatch.setattr(torch_xla._XLAC, "_xla_runtime_is_initialized", lambda: False)
-    monkeypatch.setattr(
-        xmp, "spawn", lambda fn, args: seen.append(os.environ.get("PJRT_CPU_ASYNC_CLIENT"))
-    )
-    monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    monkeypatch.delenv("PJRT_CPU_ASYNC_CLIENT", raising=False)
-    XmpLauncher(None).start_workers(b"", tmp_path)  # type: ignore[arg-type]
-    assert "PJRT_CPU_ASYNC_CLIENT" not in os.environ
-    monkeypatch.setenv("PJRT_CPU_ASYNC_CLIENT", "1")
-    XmpLauncher(None).start_workers(b"", tmp_path)  # type: ignore[arg-type]
-    assert os.environ["PJRT_CPU_ASYNC_CLIENT"] == "1"
-    assert seen == ["0", "1"]  # the user's setting wins
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch_xla") is None,
+    reason="torch_xla is not installed: run `nox -s tpu` (torch 2.9.0 + torch-xla 2.9.0)",
+)
+def test_launch_settings_are_added_where_unset_and_taken_back(tmp_path: Path) -> None:
+    """Every core on XLA's CPU device, through the real xmp.spawn in a fresh process: the
+    replicas run with the synchronous CPU client unless the user chose one (the user's setting
+    wins), and the calling process has the variable as it was once fit returns."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", **ALONE}
+    command = [sys.executable, str(HERE / "xla_launch_settings.py"), str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*-replica-*.json")}
+    assert seen == {"unset-replica-0": "0", "unset-replica-1": "0", "user-replica-0": "1"}
+    after = json.loads((tmp_path / "after.json").read_text())
+    # Taken back by the launcher itself, and after fit; the user's setting left alone.
+    assert after == {"launch-0": None, "unset": None, "launch-1": "1", "user": "1"}
