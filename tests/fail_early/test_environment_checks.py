@@ -212,13 +212,14 @@ def test_a_folder_that_cannot_be_made_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/sys"), reason="no /proc/sys on this system")
-def test_a_folder_that_cannot_be_made_is_refused_even_for_root() -> None:
-    """/proc/sys refuses new entries to everyone: the kernel grants root only r-x on its
-    folders, whatever root may do elsewhere."""
-    place = "/proc/sys/cardcage-requeue"
+@pytest.mark.parametrize("folder", ["/proc/sys", "/proc"])
+def test_a_folder_that_cannot_be_made_is_refused_even_for_root(folder: str) -> None:
+    """/proc refuses new entries to everyone, root included, though its permission bits let
+    root write in /proc itself: the check creates a file rather than reading the bits."""
+    place = f"{folder}/cardcage-requeue"
     with pytest.raises(MisconfigurationError) as error:
         variables.check_variables({"CARDCAGE_REQUEUE_DIR": place})
-    assert f"CARDCAGE_REQUEUE_DIR={place!r} would be made in '/proc/sys', which is not " in str(
+    assert f"CARDCAGE_REQUEUE_DIR={place!r} would be made in {folder!r}, which is not " in str(
         error.value
     )
     assert not os.path.exists(place)

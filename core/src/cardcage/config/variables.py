@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -237,11 +238,14 @@ def folder(env: Mapping[str, str], name: str) -> Path | None:
             f"environment variable {name}={raw!r} cannot be made: {str(existing)!r} is a file, "
             f"not a folder. {fix}"
         )
-    if not os.access(existing, os.W_OK | os.X_OK):
+    try:  # a real file, not the permission bits: root passes those in /proc too
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError:
         where = "is" if existing == path else f"would be made in {str(existing)!r}, which is"
         raise MisconfigurationError(
             f"environment variable {name}={raw!r} {where} not writable. {fix}"
-        )
+        ) from None
     return path
 
 
