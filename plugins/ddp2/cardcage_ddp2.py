@@ -24,20 +24,11 @@ from cardcage.sdk import (
     Resolution,
     SelectionContext,
     StepRunner,
+    broadcast_from_rank_zero,
     cuda_availability,
     data_parallel_step,
     hookimpl,
 )
-
-
-def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers, as DistributedDataParallel's
-    constructor does: each process built its own model, perhaps from another seed."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=0)
 
 
 class DDP2Accelerator(DistributedAccelerator):

@@ -28,6 +28,7 @@ from cardcage.sdk import (
     SelectionContext,
     SpawnLauncher,
     TrainerProtocol,
+    broadcast_from_rank_zero,
     distributed_availability,
     hookimpl,
     load_checkpoint_file,
@@ -107,19 +108,6 @@ def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """The inverse of :func:`by_position` for an optimizer whose parameters are ``names``."""
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
     return {"state": {names[i]: v for i, v in state["state"].items()}, "param_groups": groups}
-
-
-def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers, as DistributedDataParallel's
-    constructor does (``fully_shard`` does not): each process built its own model, perhaps
-    from another seed, and each rank keeps its shard of what it holds."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=0)
 
 
 class FSDPAccelerator(DistributedAccelerator):

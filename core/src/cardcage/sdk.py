@@ -16,6 +16,8 @@ Registration and selection
 Each training process
     :class:`Strategy` (the per-process methods every Accelerator has),
     :class:`DistributedAccelerator` (one torch.distributed rank per process),
+    :func:`broadcast_from_rank_zero` (every rank starts from rank 0's weights, for a ``wrap``
+    that builds no DistributedDataParallel),
     :class:`StepRunner`, :func:`data_parallel_step`, :func:`convert_batchnorm`,
     :func:`distributed_loader`, :func:`move_to`, :func:`cpu_threads_per_process`,
     :func:`share_cpu_threads`, :func:`gpu_memory_metrics`, :class:`Precision`,
@@ -68,6 +70,7 @@ from cardcage.backend.accelerator import (
 )
 from cardcage.backend.distributed import (
     DistributedAccelerator,
+    broadcast_from_rank_zero,
     cpu_threads_per_process,
     share_cpu_threads,
 )
@@ -156,6 +159,7 @@ __all__ = [
     "TrainerProtocol",
     "WorkerLauncher",
     "add_trainer_flags",
+    "broadcast_from_rank_zero",
     "broadcast_object",
     "convert_batchnorm",
     "cpu_threads_per_process",

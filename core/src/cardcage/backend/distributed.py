@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DistributedAccelerator",
+    "broadcast_from_rank_zero",
     "cpu_threads_per_process",
     "distributed_loader",
     "share_cpu_threads",
@@ -66,6 +67,17 @@ def share_cpu_threads(local_world_size: int, local_rank: int) -> None:
             os.cpu_count() or 1,
             local_world_size,
         )
+
+
+def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers, as DistributedDataParallel's
+    constructor does: each process built its own model, perhaps from another seed. A backend
+    whose ``wrap`` does not build DDP (a sharding engine, DataParallel per node) calls it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 class DistributedAccelerator(Accelerator):
@@ -190,7 +202,10 @@ class DistributedAccelerator(Accelerator):
         self.parallel = self.wrap(model)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module whose forward runs a step and synchronises gradients."""
+        """The module whose forward runs a step and synchronises gradients.
+
+        DistributedDataParallel's constructor gives every rank rank 0's weights; an override
+        that builds no DDP calls :func:`broadcast_from_rank_zero` itself."""
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
