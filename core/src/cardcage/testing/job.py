@@ -6,7 +6,8 @@ every rank) runs the scenarios in order, each with fresh Trainers, and writes wh
 ``<out>/<scenario>-rank<R>.json``. Each rank builds its models from a seed of its own (rank 0
 from the plain loop's), so a backend must start every rank from rank 0's weights. A scenario
 named ``fail`` makes rank 1 raise at its second step; it runs alone, in an invocation of its
-own.
+own, and so do ``resize_save`` and ``resize_resume`` (jobs of two world sizes, one resuming
+the other's checkpoint).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from cardcage.testing.models import (
     loader,
     seed_for_rank,
 )
+
+#: The global step at which ``checkpoint_in_step`` saves from inside ``training_step``.
+IN_STEP = 3
+#: What ``resize_save`` writes, and the variable naming it to ``resize_resume``.
+RESIZE_CHECKPOINT, RESUME = "resize.ckpt", "CARDCAGE_KIT_RESUME"
 
 
 class Job:
@@ -137,12 +143,29 @@ def checkpoint(job: Job) -> dict[str, Any]:
 
 
 def checkpoint_in_step(job: Job) -> dict[str, Any]:
-    """Save from inside ``training_step`` at step 3; resume from there to the end."""
-    model = KitModel("sgd", save_at=(3, job.path("in_step.ckpt")))
+    """Save from inside ``training_step`` at step ``IN_STEP``; resume from there to the end."""
+    model = KitModel("sgd", save_at=(IN_STEP, job.path("in_step.ckpt")))
     _fit(job, model, job.train(), max_epochs=2)
     resumed = KitModel("sgd", seed=99)
     _fit(job, resumed, job.train(), max_epochs=2, resume_from_checkpoint=job.path("in_step.ckpt"))
     return {"weights": flat(model), "resumed": flat(resumed)}
+
+
+def resize_save(job: Job) -> dict[str, Any]:
+    """Adam with a scheduler for one epoch, saved after fit, for a job of another world size
+    to resume (``resize_resume``)."""
+    model = KitModel("adam")
+    trainer = _fit(job, model, job.train(), max_epochs=1)
+    trainer.save_checkpoint(job.path(RESIZE_CHECKPOINT))
+    return {"weights": flat(model)}
+
+
+def resize_resume(job: Job) -> dict[str, Any]:
+    """Resume other weights from what ``resize_save`` wrote (``CARDCAGE_KIT_RESUME`` names
+    it) for two more epochs, at this job's world size."""
+    resumed = KitModel("adam", seed=99)
+    _fit(job, resumed, job.train(), max_epochs=3, resume_from_checkpoint=os.environ[RESUME])
+    return {"resumed": flat(resumed)}
 
 
 def fail(job: Job) -> dict[str, Any]:
@@ -161,7 +184,16 @@ SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
     "max_steps": max_steps,
     "checkpoint": checkpoint,
     "checkpoint_in_step": checkpoint_in_step,
+    "resize_save": resize_save,
+    "resize_resume": resize_resume,
     "fail": fail,
+}
+#: How many times each scenario calls ``fit`` (``validate`` and ``test`` start no training).
+FITS = {name: 1 for name in SCENARIOS} | {
+    "sgd": 2,
+    "max_steps": 2,
+    "checkpoint": 2,
+    "checkpoint_in_step": 2,
 }
 
 

@@ -104,11 +104,31 @@ class Tracer:
     def cardcage_teardown_process(
         self, trainer: Any, accelerator: Any
     ) -> Generator[None, Any, Any]:
+        # Before the backend's teardown, which may gather or free what the optimizers hold.
+        optimization = getattr(trainer, "optimization", None)
+        held = held_state(getattr(optimization, "optimizers", []))
         try:
             return (yield)
         finally:
-            record("teardown", rank=accelerator.global_rank)
+            record("teardown", rank=accelerator.global_rank, state_held=held)
             current.trainer = None
+
+
+def held_state(optimizers: list[torch.optim.Optimizer]) -> int:
+    """How many elements of the optimizers' per-parameter state (every tensor that is not a
+    scalar, such as Adam's ``exp_avg`` or SGD's ``momentum_buffer``) this process holds: of
+    a DTensor, its local shard only."""
+    held = 0
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                for value in optimizer.state.get(parameter, {}).values():
+                    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                        continue
+                    to_local = getattr(value, "to_local", None)
+                    local = to_local() if callable(to_local) else value
+                    held += local.numel()
+    return held
 
 
 TRACER = Tracer()
@@ -185,7 +205,8 @@ class KitModel(torch.nn.Module):
         return torch.nn.functional.l1_loss(self(x), y)
 
     def configure_optimizers(self) -> Any:
-        record("configure_optimizers")
+        # In a training process (after setup_process), or a caller checking a checkpoint.
+        record("configure_optimizers", training=current.trainer is not None, kind=self.optimizer)
         optimizers, schedulers = make_optimizers(self.net, self.optimizer)
         return (optimizers, schedulers) if schedulers else optimizers
 

@@ -21,6 +21,7 @@ from cardcage.testing.models import (
     VAL_SAMPLES,
     Regression,
     flat,
+    held_state,
     loader,
     make_net,
     make_optimizers,
@@ -71,15 +72,20 @@ def train(
     shuffle: bool = False,
     drop_last: bool = False,
     max_steps: int | None = None,
+    resize: tuple[int, int] | None = None,
 ) -> int:
-    """Train ``model`` as the job's scenario would; returns the number of steps taken."""
+    """Train ``model`` as the job's scenario would; returns the number of steps taken.
+
+    ``resize=(epoch, world)``: from that epoch on, train at that world size (a run resumed
+    from an epoch's checkpoint by a job of another size)."""
     optimizers, schedulers = make_optimizers(model, kind)  # type: ignore[arg-type]
     data = Regression(samples)
     limit = max_steps if max_steps is not None else math.inf
     last = epochs if epochs is not None else math.inf
     step, epoch = 0, 0
     while epoch < last and step < limit:
-        steps = list(global_batches(data, batch, world, epoch, shuffle, drop_last))
+        size = resize[1] if resize is not None and epoch >= resize[0] else world
+        steps = list(global_batches(data, batch, size, epoch, shuffle, drop_last))
         taken = 0
         for parts in steps:
             for optimizer in optimizers:
@@ -103,6 +109,18 @@ def weights(kind: str, *, seed: int = 0, **options: Any) -> list[float]:
     model = make_net(seed)
     train(model, kind, **options)
     return flat(model)
+
+
+def state_elements(kind: str) -> int:
+    """How many elements the per-parameter state of ``kind``'s optimizers holds in all, once
+    they stepped (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``)."""
+    model = make_net(0)
+    optimizers, _ = make_optimizers(model, kind)
+    data = Regression(4)
+    torch.nn.functional.mse_loss(model(data.x), data.y).backward()  # type: ignore[no-untyped-call]
+    for optimizer in optimizers:
+        optimizer.step()
+    return held_state(optimizers)
 
 
 def metrics(weights_of: list[float]) -> dict[str, float]:

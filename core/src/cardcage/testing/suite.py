@@ -200,6 +200,16 @@ class SuiteBase:
         requires_cuda: skip the training checks, with the reason, where CUDA is missing.
         skip: ``{check or scenario: reason}`` for what this backend does not support.
         tolerance: how close to the plain loop's weights (absolute, per weight).
+        batch_size: the per-process batch size of the job.
+        sharded_optimizer_state: ``True`` for a backend that shards the optimizer state
+            (fsdp): every training process must hold less than the whole per-parameter
+            state after each fit (a DTensor counts with its local shard), and all of them
+            together at least the whole.
+        resume_world_sizes: ``{name: (saves, resumes)}``, two launches of different world
+            sizes: a job of ``saves`` trains one epoch and saves, a job of ``resumes``
+            resumes that checkpoint for two more, and both must match a plain loop whose
+            world size changes there. For a backend whose checkpoints resume on any number
+            of processes.
     """
 
     backend: ClassVar[str]
@@ -209,6 +219,8 @@ class SuiteBase:
     skip: ClassVar[dict[str, str]] = {}
     tolerance: ClassVar[float] = 1e-5
     batch_size: ClassVar[int] = 4
+    sharded_optimizer_state: ClassVar[bool] = False
+    resume_world_sizes: ClassVar[dict[str, tuple[Launch, Launch]]] = {}
 
     # -- helpers -------------------------------------------------------------------------------
 

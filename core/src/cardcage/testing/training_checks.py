@@ -3,7 +3,8 @@ order) and the checks read what it left; a failing rank runs in a job of its own
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ from cardcage.plugins import manager as plugins
 from cardcage.selection.rules import rule_name
 from cardcage.testing import reference
 from cardcage.testing.harness import Harness
-from cardcage.testing.models import UNEVEN_SAMPLES, make_net
+from cardcage.testing.job import FITS, IN_STEP, RESIZE_CHECKPOINT, RESUME
+from cardcage.testing.models import UNEVEN_SAMPLES, flat, make_net
 from cardcage.testing.suite import SCENARIOS, JobOutput, Launch, SuiteBase, run_job
 
 
@@ -51,6 +53,133 @@ def expected(scenario: str, world: int, batch: int) -> dict[str, list[float]]:
         weights = reference.weights("sgd", **two_epochs)
         return {"weights": weights, "resumed": weights}
     raise KeyError(scenario)
+
+
+#: What each checkpoint of the job holds: its scenario, and the plain loop that reaches it.
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "after_fit.ckpt": ("checkpoint", {"kind": "adam", "shuffle": True, "epochs": 1}),
+    "max_steps.ckpt": ("max_steps", {"kind": "adam", "epochs": None, "max_steps": 5}),
+    "in_step.ckpt": ("checkpoint_in_step", {"kind": "sgd", "epochs": 2, "max_steps": IN_STEP}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedFit:
+    """One training process's part of one ``fit``, as the tracer saw it."""
+
+    where: str  # "pid/thread"
+    scenario: str
+    rank: int
+    kind: str | None  # the KitModel's optimizers: sgd, adam or two
+    state_held: int | None  # elements of optimizer state it held at teardown
+
+
+def traced_fits(
+    traces: Mapping[str, list[dict[str, Any]]], scenarios: list[str], world: int
+) -> list[TracedFit]:
+    """Every training process's fits in ``scenarios``, once the trace shows the lifecycle
+    kept: in each process, ``setup`` then ``train`` once per fit of the scenario, or neither
+    (a spawned worker); ``setup_process``, ``configure_optimizers``, ``teardown`` in that
+    order for each fit it trained; and on each rank 0 .. world - 1 exactly one such run per
+    fit of the scenario (a process that reports nothing is a missing rank).
+    ``configure_optimizers`` called by a caller to check a checkpoint before it trains
+    does not count."""
+    found: list[TracedFit] = []
+    for scenario in scenarios:
+        fits = FITS[scenario]
+        callers = 0
+        for where, all_events in traces.items():
+            events = [
+                e
+                for e in all_events
+                if e["scenario"] == scenario
+                and (e["event"] != "configure_optimizers" or e.get("training", True))
+            ]
+            names = [e["event"] for e in events]
+            caller = [n for n in names if n in ("setup", "train")]
+            assert caller in ([], ["setup", "train"] * fits), (
+                f"{scenario}: process/thread {where} traced {names}: a caller runs setup then "
+                f"train once per fit ({fits} here)"
+            )
+            callers += bool(caller)
+            own = [e for e in events if e["event"] not in ("setup", "train")]
+            for at in range(0, len(own), 3):
+                triple = own[at : at + 3]
+                assert [e["event"] for e in triple] == [
+                    "setup_process",
+                    "configure_optimizers",
+                    "teardown",
+                ] and triple[0]["rank"] == triple[2]["rank"], (
+                    f"{scenario}: process/thread {where} traced {names}: each fit it trains "
+                    "runs setup_process, configure_optimizers and teardown, in that order"
+                )
+                start, optimizers, end = triple
+                found.append(
+                    TracedFit(
+                        where,
+                        scenario,
+                        start["rank"],
+                        optimizers.get("kind"),
+                        end.get("state_held"),
+                    )
+                )
+        assert callers, f"{scenario}: no process traced setup and train"
+        ranks = sorted(f.rank for f in found if f.scenario == scenario)
+        wanted = sorted(list(range(world)) * fits)
+        assert ranks == wanted, (
+            f"{scenario}: training processes traced their fits on ranks {ranks}, not on each "
+            f"rank 0 .. {world - 1} once per fit ({fits}): every training process reports "
+            "setup_process, configure_optimizers and teardown"
+        )
+    return found
+
+
+def assert_optimizer_state_covers(name: str, state: dict[str, Any]) -> None:
+    """Each optimizer state of the checkpoint ``name`` covers every parameter of the kit's
+    model (one optimizer over all of them): each listed parameter has a state entry, and
+    each per-parameter tensor in it (any that is not a scalar) has the parameter's full
+    shape, not one rank's shard."""
+    shapes = [tuple(p.shape) for p in make_net(0).parameters()]
+    optimizers = state["optimizers"]
+    assert len(optimizers) == 1, f"{name}: {len(optimizers)} optimizer states, not 1"
+    for saved in optimizers:
+        indices = [i for group in saved["param_groups"] for i in group["params"]]
+        assert len(indices) == len(shapes), (
+            f"{name}: the optimizer's param_groups list {len(indices)} parameters, not the "
+            f"model's {len(shapes)}"
+        )
+        for position, index in enumerate(indices):
+            entry = saved["state"].get(index)
+            assert entry, f"{name}: no optimizer state for parameter {index}"
+            tensors = {
+                key: tuple(value.shape)
+                for key, value in entry.items()
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+            }
+            assert tensors, f"{name}: parameter {index}'s optimizer state holds no tensor"
+            for key, shape in tensors.items():
+                assert shape == shapes[position], (
+                    f"{name}: optimizer state {key!r} of parameter {index} has shape {shape}, "
+                    f"not the parameter's {shapes[position]}: one rank's shard?"
+                )
+
+
+def assert_checkpoint_holds_its_step(
+    name: str, state: dict[str, Any], world: int, batch: int, close: Any
+) -> None:
+    """The checkpoint ``name`` records the step it was written at, and its weights are the
+    plain loop's after that many steps (not those of the end of fit)."""
+    _, options = CHECKPOINTS[name]
+    model = make_net(0)
+    steps = reference.train(model, batch=batch, world=world, **options)
+    assert state["global_step"] == steps, (
+        f"{name} records global_step {state['global_step']}, but it was saved after {steps} steps"
+    )
+    saved = state["state_dict"]
+    weights = [
+        float(v) for key, _ in model.named_parameters() for v in saved[f"net.{key}"].reshape(-1)
+    ]
+    close(weights, flat(model), f"{name} (its weights at global_step {steps})")
 
 
 class TrainingChecks(SuiteBase):
@@ -109,26 +238,41 @@ class TrainingChecks(SuiteBase):
                 self.close(result[key], weights, f"{scenario} ({key}, rank {rank})")
 
     def test_lifecycle(self, kit_job: JobOutput) -> None:
-        """setup then train once per fit in the caller; in each training process,
-        setup_process before configure_optimizers and one teardown."""
+        """In every scenario that ran: setup then train once per fit in each caller; in
+        each training process, setup_process, configure_optimizers and teardown, in that
+        order, once per fit it trains; and a run of them on every rank for every fit."""
         self.assert_backend_trained(kit_job)
         traces = kit_job.traces()
         assert traces, f"nothing was traced\n{kit_job.output}"
-        for where, events in traces.items():
-            names = [e["event"] for e in events if e["scenario"] == "adam_shuffled"]
-            callers = [n for n in names if n in ("setup", "train")]
-            assert callers in ([], ["setup", "train"]), f"process/thread {where}: {names}"
-            per_process = [n for n in names if n not in ("setup", "train")]
-            assert per_process in ([], ["setup_process", "configure_optimizers", "teardown"]), (
-                f"process/thread {where}: {names}"
+        scenarios = [s for s in SCENARIOS if s not in self.skip]
+        traced_fits(traces, scenarios, kit_job.launch.world_size)
+
+    def test_shards_the_optimizer_state(self, kit_job: JobOutput) -> None:
+        """With ``sharded_optimizer_state``: after every fit, each training process holds
+        less than the whole per-parameter optimizer state, and all of them together at
+        least the whole."""
+        if not self.sharded_optimizer_state:
+            pytest.skip("the suite does not declare sharded_optimizer_state")
+        self.assert_backend_trained(kit_job)
+        scenarios = [s for s in SCENARIOS if s not in self.skip]
+        fits = traced_fits(kit_job.traces(), scenarios, kit_job.launch.world_size)
+        totals: dict[str, tuple[int, int]] = {}  # scenario: (held by all ranks, whole)
+        for fit in fits:
+            assert fit.kind is not None and fit.state_held is not None, (
+                f"{fit.scenario}: rank {fit.rank} traced no optimizer state\n{kit_job.output}"
             )
-        ranks = sorted(
-            e["rank"]
-            for events in traces.values()
-            for e in events
-            if e["scenario"] == "adam_shuffled" and e["event"] == "setup_process"
-        )
-        assert ranks == list(range(kit_job.launch.world_size)), ranks
+            whole = reference.state_elements(fit.kind)
+            assert fit.state_held < whole, (
+                f"{fit.scenario}: rank {fit.rank} holds {fit.state_held} elements of "
+                f"optimizer state after a fit, the whole {whole}: the state is not sharded"
+            )
+            held, _ = totals.get(fit.scenario, (0, whole))
+            totals[fit.scenario] = (held + fit.state_held, whole)
+        for scenario, (held, whole) in totals.items():
+            assert held >= whole * FITS[scenario], (
+                f"{scenario}: the ranks hold {held} elements of optimizer state over "
+                f"{FITS[scenario]} fit(s), less than the whole {whole} each time"
+            )
 
     def test_what_fit_leaves(self, kit_job: JobOutput) -> None:
         """The user's model keeps its class and plain tensors; validate/test after fit and
@@ -144,16 +288,63 @@ class TrainingChecks(SuiteBase):
         assert abs(result["test"] - metrics["test_loss"]) < 1e-4, result["test"]
 
     def test_checkpoints_load_with_weights_only(self, kit_job: JobOutput) -> None:
+        """The checkpoints load with ``weights_only=True`` and hold the full model, an
+        optimizer state for every parameter at its full shape, the step they were written
+        at and the plain loop's weights at that step."""
         self.skip_unsupported("checkpoint", "max_steps")
         self.assert_backend_trained(kit_job)
         shapes = {k: tuple(v.shape) for k, v in make_net(0).state_dict().items()}
-        for name in ("after_fit.ckpt", "max_steps.ckpt", "in_step.ckpt"):
+        world = kit_job.launch.world_size
+        for name, (scenario, _) in CHECKPOINTS.items():
+            if scenario in self.skip:
+                continue
             path = Path(kit_job.out / name)
             assert path.exists(), f"{name} was not written\n{kit_job.output}"
             state = torch.load(path, weights_only=True)
             saved = {k.removeprefix("net."): tuple(v.shape) for k, v in state["state_dict"].items()}
             assert saved == shapes, f"{name} holds {saved}, not the full model"
-            assert state["optimizers"] and state["optimizers"][0]["state"], f"{name}: no state"
+            assert_optimizer_state_covers(name, state)
+            assert_checkpoint_holds_its_step(name, state, world, self.batch_size, self.close)
+
+    def test_resumes_on_another_world_size(self, tmp_path: Path) -> None:
+        """For each of ``resume_world_sizes``: one epoch at the first launch's world size,
+        saved; two more resumed from it at the second's; both equal the plain loop that
+        changes world size there."""
+        if not self.resume_world_sizes:
+            pytest.skip("the suite declares no resume_world_sizes")
+        self.need_training()
+        for name, (saves, resumes) in self.resume_world_sizes.items():
+            assert saves.world_size != resumes.world_size, (
+                f"resume_world_sizes[{name!r}]: both launches have world size {saves.world_size}"
+            )
+            options: dict[str, Any] = {"batch": self.batch_size, "world": saves.world_size}
+            harness = Harness(tmp_path / name)
+            try:
+                first = run_job(
+                    harness, saves, ["resize_save"], harness.root / "save", self.batch_size
+                )
+                self.assert_backend_trained(first)
+                traced_fits(first.traces(), ["resize_save"], saves.world_size)
+                wanted = reference.weights("adam", epochs=1, **options)
+                self.close(first.result("resize_save")["weights"], wanted, f"{name} (saved)")
+                checkpoint = first.out / RESIZE_CHECKPOINT
+                assert checkpoint.exists(), f"{checkpoint.name} was not written\n{first.output}"
+                then = dataclasses.replace(resumes, env={**resumes.env, RESUME: str(checkpoint)})
+                out = harness.root / "resume"
+                second = run_job(harness, then, ["resize_resume"], out, self.batch_size)
+                self.assert_backend_trained(second)
+                traced_fits(second.traces(), ["resize_resume"], resumes.world_size)
+                wanted = reference.weights(
+                    "adam", epochs=3, resize=(1, resumes.world_size), **options
+                )
+                self.close(
+                    second.result("resize_resume")["resumed"],
+                    wanted,
+                    f"{name} (resumed at world size {resumes.world_size} from {saves.world_size})",
+                )
+                harness.assert_no_leftovers()
+            finally:
+                harness.cleanup()
 
     def test_a_failing_rank_is_named(self, launch: str, tmp_path: Path) -> None:
         declared: Launch = self.launches[launch]
