@@ -13,14 +13,19 @@ pytest (through the ``cardcage.testing`` plugin, registered with the ``pytest11`
 point) then runs the contract's checks against the backend: it loads alone and strictly;
 its names are its own; selection and availability start no process, thread or socket and
 create no CUDA context; selections in fake environments (plain, torchrun rank 1, SLURM,
-horovodrun, two nodes) are explained or refused with a message; and, for each launch, a job
-that trains like a plain PyTorch loop at batch = world size x per-process batch (SGD with
+horovodrun, two nodes) are explained or refused with a message, with the rank, world size
+and rule each one calls for; and, for each launch, a job whose every rank (each built from
+its own seed) trains this backend like a plain PyTorch loop at batch = world size x
+per-process batch (SGD with
 momentum, Adam with a scheduler, shuffled or not, uneven data, ``drop_last``, two
 optimizers, ``max_steps`` mid-epoch), with the lifecycle in its order, the user's model
 whole after ``fit``, validation reduced across ranks, checkpoints after fit, between steps
-and from inside ``training_step`` that load with ``weights_only=True`` and resume other
-weights to the uninterrupted run's, a failing rank named with no process left, and no
-process or temporary folder left behind.
+and from inside ``training_step`` that load with ``weights_only=True``, record their step
+and hold its weights and the optimizer state of every parameter, and resume other weights
+to the uninterrupted run's, a failing rank named with no process left, and no process or
+temporary folder left behind. A suite may declare ``sharded_optimizer_state = True`` (each
+rank holds only part of the optimizer state) and ``resume_world_sizes`` (a checkpoint saved
+at one world size resumes at another): see docs/testing-a-backend.md.
 """
 
 from __future__ import annotations
