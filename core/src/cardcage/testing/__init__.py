@@ -16,10 +16,10 @@ create no CUDA context; selections in fake environments (plain, torchrun rank 1,
 horovodrun, two nodes) are explained or refused with a message, with the rank, world size
 and rule each one calls for; and, for each launch, a job whose every rank (each built from
 its own seed) trains this backend like a plain PyTorch loop at batch = world size x
-per-process batch (SGD with
-momentum, Adam with a scheduler, shuffled or not, uneven data, ``drop_last``, two
-optimizers, ``max_steps`` mid-epoch), with the lifecycle in its order, the user's model
-whole after ``fit``, validation reduced across ranks, checkpoints after fit, between steps
+per-process batch (SGD with momentum, Adam with a scheduler, shuffled or not, uneven
+data, ``drop_last``, two optimizers, ``max_steps`` mid-epoch), with the lifecycle in its
+order, the user's model whole after ``fit``, validation reduced across ranks, checkpoints
+after fit, between steps
 and from inside ``training_step`` that load with ``weights_only=True``, record their step
 and hold its weights and the optimizer state of every parameter, and resume other weights
 to the uninterrupted run's, a failing rank named with no process left, and no process or
