@@ -22,6 +22,7 @@ from cardcage.errors import (
 )
 from cardcage.plugins.spec import hookimpl
 from cardcage.selection.engine import select
+from cardcage.train.seeding import seed_everything
 from cardcage.train.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ __all__ = [
     "Trainer",
     "__version__",
     "hookimpl",
+    "seed_everything",
     "select",
 ]
 
