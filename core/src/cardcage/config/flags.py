@@ -42,12 +42,82 @@ class Flags:
     max_restarts: int = 0
     checkpoint_every_n_steps: int | None = None
     terminate_on_nan: bool = False
+    progress_bar: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 FLAG_NAMES = tuple(f.name for f in fields(Flags))
+
+#: Lightning 1.0 flags cardcage does not run yet: refused by name, never with a did-you-mean
+#: towards another flag (``logger`` is not ``log_gpu_memory``), and never ignored.
+NOT_SUPPORTED_YET = (
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "deterministic",
+    "fast_dev_run",
+    "limit_train_batches",
+    "limit_val_batches",
+    "limit_test_batches",
+    "check_val_every_n_epoch",
+    "min_epochs",
+    "callbacks",
+    "logger",
+    "log_every_n_steps",
+    "num_sanity_val_steps",
+)
+
+#: Flags of later Lightning versions (1.5 and after); the 1.0 flags that do the same.
+LATER_FLAGS = ("strategy", "accelerator", "devices")
+
+
+def _later_flag(kwargs: Mapping[str, Any]) -> str:
+    """The message for ``strategy``/``accelerator``/``devices``: the 1.0 flags that do it."""
+    later = [k for k in LATER_FLAGS if k in kwargs]
+    given = ", ".join(f"{k}={kwargs[k]!r}" for k in later)
+    what = f"{given} {'is a flag' if len(later) == 1 else 'are flags'} of later Lightning "
+    what += "versions; cardcage takes Lightning 1.0's flags."
+    accelerator = kwargs.get("accelerator")
+    devices = kwargs.get("devices")
+    kind = accelerator.strip().lower() if isinstance(accelerator, str) else accelerator
+    fixes: list[str] = []
+    if "strategy" in kwargs:
+        strategy = kwargs["strategy"]
+        name = strategy if isinstance(strategy, str) else "ddp"
+        fixes.append(f"distributed_backend={name!r} instead of strategy")
+    count = devices if devices is not None else "N"
+    if kind in ("gpu", "cuda"):
+        fixes.append(f"gpus={count!r} instead of accelerator={accelerator!r}, devices")
+    elif kind == "cpu":
+        if devices is None:
+            fixes.append("distributed_backend='cpu' (or no flag) instead of accelerator='cpu'")
+        else:
+            fixes.append(
+                f"num_processes={count!r} with distributed_backend='ddp_cpu' instead of "
+                f"accelerator='cpu', devices={devices!r}"
+            )
+    elif kind == "tpu":
+        fixes.append(f"tpu_cores={count!r} instead of accelerator='tpu', devices")
+    elif "accelerator" in kwargs or "devices" in kwargs:
+        fixes.append(
+            f"gpus={count!r} (GPUs), tpu_cores={count!r} (TPU cores) or num_processes="
+            f"{count!r} with distributed_backend='ddp_cpu' (CPU processes) instead of "
+            + ("devices" if "accelerator" not in kwargs else "accelerator and devices")
+        )
+    return f"{what} Use {'; '.join(fixes)}."
+
+
+def _unknown_flag(name: str, value: object) -> str:
+    if name in NOT_SUPPORTED_YET:
+        return (
+            f"{name}={value!r} is Lightning 1.0's flag, which cardcage does not support yet. "
+            f"Leave {name} out (training would not do what it asks), or train with Lightning "
+            "where you need it."
+        )
+    hint = did_you_mean(name, FLAG_NAMES)
+    return f"{name}={value!r} is not a cardcage flag.{hint} Known flags: {', '.join(FLAG_NAMES)}."
 
 
 def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -152,16 +222,17 @@ def validate_flags(**kwargs: Any) -> Flags:
 
     Device-dependent checks (GPU ids against the device count) happen in selection.
     """
+    if any(k in kwargs for k in LATER_FLAGS):
+        raise MisconfigurationError(_later_flag(kwargs))
     unknown = [k for k in kwargs if k not in FLAG_NAMES]
     if unknown:
-        name = unknown[0]
-        close = difflib.get_close_matches(name, FLAG_NAMES, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise MisconfigurationError(
-            f"{name}={kwargs[name]!r} is not a cardcage flag.{hint} Known flags: "
-            f"{', '.join(FLAG_NAMES)}."
-        )
+        raise MisconfigurationError(_unknown_flag(unknown[0], kwargs[unknown[0]]))
     flags = Flags(**kwargs)
+    if flags.progress_bar is not None and not isinstance(flags.progress_bar, bool):
+        raise MisconfigurationError(
+            f"progress_bar={flags.progress_bar!r} is not valid: Use True, False or None (a bar "
+            "when stderr is a terminal)."
+        )
     _positive_int("num_processes", flags.num_processes)
     _positive_int("num_nodes", flags.num_nodes)
     _positive_int("max_epochs", flags.max_epochs, allow_none=True)
@@ -359,6 +430,18 @@ def check_process_count(count: int, flag: str = "num_processes") -> None:
             f"{what} is more processes than this machine can run: {'; '.join(short)}. Use at "
             f"most {most} processes here (num_nodes spreads a job over machines), or raise "
             "the limit."
+        )
+
+
+def check_sync_batchnorm(flags: Flags, gpu_ids: list[int] | None, backend: str) -> None:
+    """``sync_batchnorm=True`` needs GPUs: torch's ``SyncBatchNorm`` refuses CPU tensors in
+    training (torch 2.13 with gloo: ``ValueError: SyncBatchNorm expected input tensor to be on
+    GPU or XPU or privateuseone``), which would fail inside every rank after the start."""
+    if flags.sync_batchnorm and not gpu_ids:
+        raise MisconfigurationError(
+            f"sync_batchnorm=True needs GPUs, but distributed_backend={backend!r} trains on "
+            "the CPU here (no GPUs selected), and torch's SyncBatchNorm works only with GPU "
+            "tensors. Train on GPUs (set gpus), or drop sync_batchnorm (sync_batchnorm=False)."
         )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from cardcage import devices
 from cardcage.backend.accelerator import Accelerator
 from cardcage.backend.selection_types import Selection, SelectionContext
-from cardcage.config.flags import gpus_override, validate_flags
+from cardcage.config.flags import check_sync_batchnorm, gpus_override, validate_flags
 from cardcage.config.variables import check_variables
 from cardcage.environments.base import ClusterEnvironment
 from cardcage.environments.builtin import LocalEnvironment, detect_cluster
@@ -138,7 +138,11 @@ def select(
             f"`{settings.install_command('horovod')}`)."
         )
     world_size = cluster.world_size() if outside else checked.num_nodes * per_node
-    return Selection(
+    # What the chosen backend and cluster refuse: checked here, not in the Trainer, so that
+    # select and `cardcage explain` refuse exactly what Trainer(**flags) refuses.
+    check_sync_batchnorm(checked, ctx.gpu_ids, chosen.name)
+    cluster.requeue_signal()  # a bad CARDCAGE_REQUEUE_SIGNAL for this cluster raises
+    selection = Selection(
         accelerator=chosen.name,
         cluster=cluster.name,
         rule=rule,
@@ -162,6 +166,8 @@ def select(
         auto_select_pending=auto_pending,
         environment=cluster,
     )
+    chosen.check_precision(selection)
+    return selection
 
 
 def _check_ranks(

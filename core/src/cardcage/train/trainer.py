@@ -77,11 +77,8 @@ class Trainer:
         progress_bar: bool | None = None,
         **unknown: Any,
     ):
-        if progress_bar is not None and not isinstance(progress_bar, bool):
-            raise MisconfigurationError(
-                f"progress_bar={progress_bar!r} is not valid: use True, False or None (a bar "
-                "when stderr is a terminal)."
-            )
+        # Every check is select's (cardcage.config.flags and the selection engine), so that
+        # select and `cardcage explain` refuse exactly what this constructor refuses.
         with plugins.slow_checks_named():  # a slow availability check named while it runs
             self.selection: Selection = select(
                 gpus=gpus,
@@ -102,14 +99,13 @@ class Trainer:
                 max_restarts=max_restarts,
                 checkpoint_every_n_steps=checkpoint_every_n_steps,
                 terminate_on_nan=terminate_on_nan,
+                progress_bar=progress_bar,
                 **unknown,
             )
         self.flags = self.selection.flags
-        requeue.check(self.selection)
         registry = plugins.registry(os.environ)
         self._registry: plugins.Registry | None = registry
         backend = registry.accelerators[self.selection.accelerator].cls
-        backend.check_precision(self.selection)
         self.accelerator: Accelerator = backend(self.selection)
         self.progress_bar_flag = progress_bar
         self.progress = ProgressBar(False)
