@@ -439,9 +439,10 @@ def check_sync_batchnorm(flags: Flags, gpu_ids: list[int] | None, backend: str) 
     GPU or XPU or privateuseone``), which would fail inside every rank after the start."""
     if flags.sync_batchnorm and not gpu_ids:
         raise MisconfigurationError(
-            f"sync_batchnorm=True needs GPUs, but distributed_backend={backend!r} trains on "
-            "the CPU here (no GPUs selected), and torch's SyncBatchNorm works only with GPU "
-            "tensors. Train on GPUs (set gpus), or drop sync_batchnorm (sync_batchnorm=False)."
+            f"sync_batchnorm=True with distributed_backend={backend!r} needs GPUs, but no GPU "
+            "is selected: the job would train on the CPU, and torch's SyncBatchNorm works only "
+            "with GPU tensors. Train on GPUs (set gpus), or drop sync_batchnorm "
+            "(sync_batchnorm=False)."
         )
 
 
