@@ -318,7 +318,6 @@ def test_a_tpu_cores_backend_reads_tpu_cores_as_lightning_did(
     assert (every.accelerator, every.num_processes, every.world_size) == ("cores", 8, 8)
     one = select(env={}, distributed_backend="cores", tpu_cores=[3])
     assert (one.num_processes, one.world_size) == (1, 1)
-    half = select(env={}, distributed_backend="cores", tpu_cores=1, precision=16)
     with pytest.raises(MisconfigurationError, match=r"precision=16 .* Use precision='bf16'"):
-        CoresAccelerator.check_precision(half)
+        select(env={}, distributed_backend="cores", tpu_cores=1, precision=16)
     CoresAccelerator.check_precision(select(env={}, distributed_backend="cores", tpu_cores=1))
