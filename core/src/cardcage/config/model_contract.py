@@ -2,7 +2,9 @@
 
 A model has ``training_step(batch, batch_idx)`` returning a loss tensor or a dict holding
 ``"loss"``, and ``configure_optimizers()`` returning an optimizer, a list of them, a pair
-``(optimizers, schedulers)``, or a dict with ``"optimizer"`` and ``"lr_scheduler"``.
+``(optimizers, schedulers)``, a dict with ``"optimizer"`` and ``"lr_scheduler"``, or a list
+of such dicts; a scheduler is an object or a dict ``{"scheduler", "interval": "epoch"|"step",
+"frequency", "monitor", "strict"}`` (:class:`SchedulerConfig`).
 ``train_dataloader()``, ``val_dataloader()``, ``test_dataloader()``, ``validation_step`` and
 ``test_step`` are optional, and so is ``on_after_backward()``: called after every backward and
 before the optimizer step, with the gradients the optimizer will use (averaged across
@@ -23,6 +25,28 @@ import torch
 
 from cardcage.errors import MisconfigurationError
 
+SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict")
+OPTIMIZER_KEYS = ("optimizer", "lr_scheduler", "monitor")
+
+
+@dataclass
+class SchedulerConfig:
+    """How the loop drives one learning-rate scheduler (Lightning 1.0's scheduler dict).
+
+    ``interval="step"``: stepped after every ``frequency``-th optimizer step, counted over the
+    whole run; ``"epoch"``: after every ``frequency``-th epoch (``(epoch + 1) % frequency``),
+    after that epoch's validation. A scheduler with a ``monitor`` (``ReduceLROnPlateau``) is
+    stepped with that metric's latest value; a missing metric raises with ``strict``, else
+    warns once and the step is skipped.
+    """
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+    strict: bool = True
+    warned: bool = field(default=False, compare=False)
+
 
 @dataclass
 class Optimization:
@@ -31,6 +55,20 @@ class Optimization:
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[Any] = field(default_factory=list)
     per_optimizer_steps: bool = False  # training_step takes optimizer_idx
+    #: How each of ``schedulers`` is stepped, in the same order (default: every epoch).
+    configs: list[SchedulerConfig] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.configs) != len(self.schedulers):
+            self.configs = [SchedulerConfig(s) for s in self.schedulers]
+
+    def step_configs(self) -> list[SchedulerConfig]:
+        """The schedulers stepped after optimizer steps."""
+        return [c for c in self.configs if c.interval == "step"]
+
+    def epoch_configs(self) -> list[SchedulerConfig]:
+        """The schedulers stepped at the end of an epoch."""
+        return [c for c in self.configs if c.interval == "epoch"]
 
     def wrap(
         self, wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]
@@ -120,29 +158,117 @@ def _as_list(value: Any) -> list[Any]:
     return [value]
 
 
+_FORMATS = (
+    "Return an optimizer, a list of them, (optimizers, schedulers), "
+    "{'optimizer': ..., 'lr_scheduler': ...}, or a list of such dicts."
+)
+
+
+def _is_plateau(scheduler: Any) -> bool:
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _scheduler_config(entry: Any, monitor: Any, where: str) -> SchedulerConfig:
+    """One scheduler entry (an object or a dict), checked; ``monitor``: the enclosing
+    optimizer dict's ``"monitor"``, the default of the entry's."""
+    if not isinstance(entry, Mapping):
+        entry = {"scheduler": entry}
+    unknown = [str(k) for k in entry if k not in SCHEDULER_KEYS]
+    if unknown:
+        raise MisconfigurationError(
+            f"{where}: a scheduler dict has unknown key(s) {unknown}; the keys are "
+            f"{list(SCHEDULER_KEYS)}."
+        )
+    if "scheduler" not in entry:
+        raise MisconfigurationError(
+            f"{where}: a scheduler dict has no 'scheduler' key: {dict(entry)!r}. Put the "
+            "scheduler object under 'scheduler'."
+        )
+    scheduler = entry["scheduler"]
+    if not callable(getattr(scheduler, "step", None)) or not callable(
+        getattr(scheduler, "state_dict", None)
+    ):
+        raise MisconfigurationError(
+            f"{where}: {scheduler!r} is not a learning-rate scheduler (it needs step() and "
+            "state_dict())."
+        )
+    interval = entry.get("interval", "epoch")
+    if interval not in ("epoch", "step"):
+        raise MisconfigurationError(
+            f"{where}: a scheduler's interval={interval!r} is not valid: use 'epoch' or 'step'."
+        )
+    frequency = entry.get("frequency", 1)
+    if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+        raise MisconfigurationError(
+            f"{where}: a scheduler's frequency={frequency!r} is not valid: use an int >= 1."
+        )
+    strict = entry.get("strict", True)
+    if not isinstance(strict, bool):
+        raise MisconfigurationError(
+            f"{where}: a scheduler's strict={strict!r} is not valid: use True or False."
+        )
+    monitor = entry.get("monitor", monitor)
+    if monitor is not None and not isinstance(monitor, str):
+        raise MisconfigurationError(
+            f"{where}: a scheduler's monitor={monitor!r} is not valid: name a metric."
+        )
+    if _is_plateau(scheduler) and monitor is None:
+        raise MisconfigurationError(
+            f"{where}: ReduceLROnPlateau needs the metric it watches: return "
+            "{'scheduler': ..., 'monitor': 'val_loss'} (or the name of another metric)."
+        )
+    return SchedulerConfig(scheduler, interval, frequency, monitor, strict)
+
+
+def _optimizer_dict(
+    entry: Mapping[Any, Any], where: str
+) -> tuple[list[Any], list[SchedulerConfig]]:
+    unknown = [str(k) for k in entry if k not in OPTIMIZER_KEYS]
+    if unknown:
+        hint = (
+            " Optimizer frequencies (alternating optimizers) are not supported: give each "
+            "optimizer its own steps with training_step(batch, batch_idx, optimizer_idx)."
+            if "frequency" in unknown
+            else ""
+        )
+        raise MisconfigurationError(
+            f"{where}: an optimizer dict has unknown key(s) {unknown}; the keys are "
+            f"{list(OPTIMIZER_KEYS)}.{hint}"
+        )
+    monitor = entry.get("monitor")
+    return _as_list(entry.get("optimizer")), [
+        _scheduler_config(s, monitor, where) for s in _as_list(entry.get("lr_scheduler"))
+    ]
+
+
 def configure_optimizers(model: torch.nn.Module) -> Optimization:
-    """Call ``model.configure_optimizers()`` and normalise what it returned."""
+    """Call ``model.configure_optimizers()`` and normalise what it returned; a malformed
+    scheduler entry (unknown key, bad interval or frequency) is refused here, naming it."""
     result = model.configure_optimizers()  # type: ignore[operator]
-    schedulers: list[Any] = []
+    where = f"configure_optimizers() of {type(model).__name__}"
+    configs: list[SchedulerConfig] = []
     if isinstance(result, Mapping):
-        optimizers = _as_list(result.get("optimizer"))
-        schedulers = _as_list(result.get("lr_scheduler"))
+        optimizers, configs = _optimizer_dict(result, where)
+    elif (
+        isinstance(result, (list, tuple)) and result and all(isinstance(r, Mapping) for r in result)
+    ):
+        optimizers = []
+        for entry in result:
+            more, scheds = _optimizer_dict(entry, where)
+            optimizers += more
+            configs += scheds
     elif (
         isinstance(result, tuple)
         and len(result) == 2
         and isinstance(result[0], (list, tuple))
         and isinstance(result[1], (list, tuple))
     ):
-        optimizers, schedulers = list(result[0]), list(result[1])
+        optimizers = list(result[0])
+        configs = [_scheduler_config(s, None, where) for s in result[1]]
     else:
         optimizers = _as_list(result)
-    schedulers = [s["scheduler"] if isinstance(s, Mapping) else s for s in schedulers]
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
-        raise MisconfigurationError(
-            f"configure_optimizers() of {type(model).__name__} returned {result!r}. Return "
-            "an optimizer, a list of them, (optimizers, schedulers), or "
-            "{'optimizer': ..., 'lr_scheduler': ...}."
-        )
+        raise MisconfigurationError(f"{where} returned {result!r}. {_FORMATS}")
     per_optimizer = (
         len(optimizers) > 1
         and "optimizer_idx"
@@ -150,7 +276,7 @@ def configure_optimizers(model: torch.nn.Module) -> Optimization:
             model.training_step  # type: ignore[arg-type]
         ).parameters
     )
-    return Optimization(optimizers, schedulers, per_optimizer)
+    return Optimization(optimizers, [c.scheduler for c in configs], per_optimizer, configs)
 
 
 def extract_loss(output: Any, step: str = "training_step") -> torch.Tensor:
@@ -192,12 +318,37 @@ def metrics_of(output: Any, prefix: str) -> dict[str, torch.Tensor]:
     return {}
 
 
-def mean_metrics(outputs: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Average each metric over the steps that reported it."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for output in outputs:
+def batch_size(batch: Any) -> int:
+    """How many samples ``batch`` holds: dim 0 of its first tensor (depth first through
+    dicts, lists and tuples), as Lightning 1.0 counts them; 1 when it holds no tensor or
+    only a scalar one."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(items, (list, tuple)) or isinstance(batch, Mapping):
+        for item in items:
+            if isinstance(item, (torch.Tensor, Mapping, list, tuple)):
+                return batch_size(item)
+    return 1
+
+
+def weighted_sums(
+    outputs: Iterable[tuple[dict[str, torch.Tensor], int]],
+) -> dict[str, tuple[float, float]]:
+    """For each metric, ``(sum of value x batch size, sum of batch sizes)`` over the steps
+    that reported it: what ranks add up before dividing, so that the mean over several
+    processes is the mean over the whole data."""
+    sums: dict[str, tuple[float, float]] = {}
+    for output, size in outputs:
         for key, value in output.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
-            counts[key] = counts.get(key, 0) + 1
-    return {key: sums[key] / counts[key] for key in sums}
+            total, count = sums.get(key, (0.0, 0.0))
+            sums[key] = (total + float(value) * size, count + size)
+    return sums
+
+
+def mean_metrics(outputs: Iterable[tuple[dict[str, torch.Tensor], int]]) -> dict[str, float]:
+    """Each metric's mean over the steps that reported it, weighted by their batch sizes."""
+    return {
+        key: total / count if count else float("nan")
+        for key, (total, count) in weighted_sums(outputs).items()
+    }

@@ -27,7 +27,13 @@ from cardcage.backend.launch import restarts, watchdog
 from cardcage.backend.strategy.precision import Precision
 from cardcage.backend.strategy.strategy import Strategy
 from cardcage.checkpoints.io import rng_state, set_rng_state
-from cardcage.config.model_contract import extract_loss, mean_metrics, metrics_of
+from cardcage.config.model_contract import (
+    SchedulerConfig,
+    batch_size,
+    extract_loss,
+    metrics_of,
+    weighted_sums,
+)
 from cardcage.errors import MisconfigurationError
 from cardcage.train.losses import LOSS_CHUNK, Losses, stop_on_nan
 
@@ -160,6 +166,9 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     max_steps = trainer.flags.max_steps or math.inf
     max_epochs = trainer.flags.max_epochs or (math.inf if trainer.flags.max_steps else 1)
     single = not optimization.per_optimizer_steps
+    # schedulers stepped after optimizer steps: none, and the loop does nothing for them
+    step_schedulers = optimization.step_configs()
+    epoch_schedulers = optimization.epoch_configs()
     after_backward = getattr(model, "on_after_backward", None)
     if not callable(after_backward):
         after_backward = None
@@ -240,6 +249,8 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
                 tracked.close_chunk(trainer.global_step, batch_idx)
             trainer.global_step += 1
             trainer.batch_idx = batch_idx + 1
+            if step_schedulers:
+                step_due(trainer, step_schedulers, trainer.global_step, loss, accelerator)
             unshown += 1
             if unshown >= bar_due:
                 bar_due, unshown = bar.step(kept, batch, unshown), 0
@@ -261,11 +272,56 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
         trainer.record_losses(tracked.epoch())
         if epoch_done:
             trainer.current_epoch, trainer.batch_idx = epoch + 1, 0
-            for scheduler in optimization.schedulers:
-                scheduler.step()
         metrics = run_validation(trainer, accelerator, val_loaders, beat) if val_loaders else {}
+        if epoch_done and epoch_schedulers:  # after validation: a monitor sees this epoch's
+            step_due(trainer, epoch_schedulers, epoch + 1)
         bar.end_epoch(metrics)
         epoch += 1
+
+
+def step_due(
+    trainer: Trainer,
+    configs: list[SchedulerConfig],
+    count: int,
+    loss: torch.Tensor | None = None,
+    accelerator: Strategy | None = None,
+) -> None:
+    """Step each scheduler of ``configs`` whose ``frequency`` divides ``count`` (optimizer
+    steps, or epochs done); one with a ``monitor`` gets the metric's latest value
+    (``trainer.logged_metrics``; ``"loss"`` in a step scheduler: this step's loss, averaged
+    over the ranks so that every rank takes the same decision)."""
+    for config in configs:
+        if count % config.frequency:
+            continue
+        if config.monitor is None:
+            config.scheduler.step()
+            continue
+        metrics = trainer.logged_metrics
+        if loss is not None and accelerator is not None and config.monitor == "loss":
+            metrics = {**metrics, "loss": float(accelerator.reduce(loss.detach().float()))}
+        value = metrics.get(config.monitor)
+        if value is None:
+            available = sorted(k for k in metrics if k != "epoch")
+            said = (
+                f"the scheduler {type(config.scheduler).__name__} monitors "
+                f"{config.monitor!r}, which no step or validation has logged; the metrics "
+                f"available are {available}."
+            )
+            if config.strict:
+                raise MisconfigurationError(
+                    f"{said} Log it, monitor one of those, or set 'strict': False in the "
+                    "scheduler dict to skip the step."
+                )
+            if not config.warned:
+                config.warned = True
+                warnings.warn(
+                    f"cardcage: {said} Its steps are skipped while it is missing ('strict': "
+                    "False).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            continue
+        config.scheduler.step(value)
 
 
 def _per_optimizer_step(
@@ -317,13 +373,14 @@ def evaluate(
     to_device = accelerator.batch_to_device if accelerator.moves_batches else None
     autocast = accelerator.precision.autocast
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    outputs: list[dict[str, torch.Tensor]] = []
+    outputs: list[tuple[dict[str, torch.Tensor], int]] = []
     was_training = model.training
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         model.eval()
         for loader in loaders:
             for batch_idx, batch in enumerate(loader):
                 beat()
+                size = batch_size(batch)
                 if to_device is not None:
                     batch = to_device(batch)
                 if autocast is None:
@@ -331,12 +388,20 @@ def evaluate(
                 else:
                     with autocast():
                         output = step(batch, batch_idx)
-                outputs.append(metrics_of(output, prefix))
+                outputs.append((metrics_of(output, prefix), size))
     model.train(was_training)
-    metrics = mean_metrics(outputs)
+    # A mean weighted by batch size, over every rank: each rank's sums of value x size and
+    # of sizes, added up in one collective, then divided.
+    sums = weighted_sums(outputs)
+    keys = sorted(sums)
+    exact = torch.float64 if accelerator.device.type in ("cpu", "cuda") else torch.float32
+    local = torch.tensor(
+        [part for key in keys for part in sums[key]], dtype=exact, device=accelerator.device
+    )
+    total = accelerator.reduce(local, op="sum").cpu().tolist() if keys else []
     reduced = {
-        key: float(accelerator.reduce(torch.tensor(value, device=accelerator.device)))
-        for key, value in metrics.items()
+        key: total[2 * i] / total[2 * i + 1] if total[2 * i + 1] else math.nan
+        for i, key in enumerate(keys)
     }
     trainer.logged_metrics.update(reduced)
     return reduced
