@@ -25,6 +25,7 @@ from cardcage.sdk import (
     DistributedAccelerator,
     MisconfigurationError,
     Resolution,
+    Selection,
     SelectionContext,
     SpawnLauncher,
     TrainerProtocol,
@@ -120,6 +121,13 @@ class FSDPAccelerator(DistributedAccelerator):
         self.user_model: torch.nn.Module | None = None
         # The sharded copy that trains; it outlives fit, for save_checkpoint afterwards.
         self.sharded: torch.nn.Module | None = None
+
+    @classmethod
+    def check_selection(cls, selection: Selection, env: Mapping[str, str]) -> None:
+        """select, the Trainer and ``cardcage explain`` refuse a bad CARDCAGE_FSDP_STATE_DICT
+        alike, before anything starts."""
+        super().check_selection(selection, env)
+        state_dict_type(env)
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:

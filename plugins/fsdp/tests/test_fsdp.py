@@ -13,7 +13,7 @@ import cardcage_fsdp
 import pytest
 import torch
 
-from cardcage import MisconfigurationError, sdk, select
+from cardcage import MisconfigurationError, Trainer, sdk, select
 from cardcage.testing.harness import Harness
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "fsdp"}
@@ -53,6 +53,19 @@ def test_a_bad_checkpoint_format_fails_before_training(monkeypatch: pytest.Monke
         cardcage_fsdp.FSDPAccelerator(
             select(env=ALONE, distributed_backend="fsdp", num_processes=2)
         )
+
+
+def test_select_refuses_a_bad_checkpoint_format_as_the_trainer_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """select (and so cardcage explain) makes the Trainer's decision: the same refusal."""
+    bad = {**ALONE, cardcage_fsdp.STATE_DICT: "shards"}
+    with pytest.raises(MisconfigurationError, match=r"CARDCAGE_FSDP_STATE_DICT='shards'") as one:
+        select(env=bad, distributed_backend="fsdp", num_processes=2)
+    monkeypatch.setenv(cardcage_fsdp.STATE_DICT, "shards")
+    with pytest.raises(MisconfigurationError) as other:
+        Trainer(distributed_backend="fsdp", num_processes=2)
+    assert str(one.value) == str(other.value)
 
 
 class Block(torch.nn.Module):

@@ -27,6 +27,7 @@ from cardcage.sdk import (
     MisconfigurationError,
     Resolution,
     Rule,
+    Selection,
     SelectionContext,
     TrainerProtocol,
     WorkerLauncher,
@@ -105,16 +106,17 @@ class HorovodAccelerator(Accelerator):
     #: The default of CARDCAGE_HOROVOD_SCALE_LR: multiply the learning rates, as the seed did.
     scale_lr: ClassVar[bool] = True
 
+    @classmethod
+    def check_selection(cls, selection: Selection, env: Mapping[str, str]) -> None:
+        """select, the Trainer and ``cardcage explain`` refuse a bad
+        CARDCAGE_HOROVOD_SCALE_LR alike, before anything starts."""
+        super().check_selection(selection, env)
+        scale_lr_setting(env, default=cls.scale_lr)
+
     def __init__(self, selection: Any):
         super().__init__(selection)
-        # Read here: a bad value fails before any process starts, and workers inherit it.
+        # Read here too: workers inherit the value the calling process checked.
         self.scale_lr_by_size = scale_lr_setting(os.environ, default=self.scale_lr)
-        if selection.flags.sync_batchnorm and not selection.gpu_ids:
-            raise MisconfigurationError(
-                "sync_batchnorm=True with distributed_backend='horovod' needs GPUs: "
-                "hvd.SyncBatchNorm synchronises CUDA tensors only. Set gpus=1 (one GPU per "
-                "process), or sync_batchnorm=False on the CPU."
-            )
         self.distributed_optimizers: list[Any] = []
         # Our own count names the collectives: Horovod's default name counts handles per
         # process, which differ between ranks after uneven data, and the ranks would hang.

@@ -21,7 +21,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -196,6 +196,18 @@ class Accelerator(Strategy):
         if launched is not None:
             return launched
         return len(ctx.gpu_ids) if ctx.gpu_ids else ctx.num_processes
+
+    @classmethod
+    def check_selection(cls, selection: Selection, env: Mapping[str, str]) -> None:
+        """Refuse, before anything starts, what this backend cannot train with: the
+        precision (:meth:`check_precision`) and the backend's own settings in ``env`` (the
+        mapping ``select`` reads: ``os.environ`` for a Trainer).
+
+        ``select`` calls it for the backend it chose, so ``select``, the Trainer and
+        ``cardcage explain`` refuse alike. Pure, as selection is: an override reads and
+        raises, and starts nothing.
+        """
+        cls.check_precision(selection)
 
     @classmethod
     def check_precision(cls, selection: Selection) -> None:

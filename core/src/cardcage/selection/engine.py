@@ -166,7 +166,7 @@ def select(
         auto_select_pending=auto_pending,
         environment=cluster,
     )
-    chosen.check_precision(selection)
+    chosen.check_selection(selection, environ)
     return selection
 
 
