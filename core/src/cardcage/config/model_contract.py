@@ -344,11 +344,3 @@ def weighted_sums(
             total, count = sums.get(key, (0.0, 0.0))
             sums[key] = (total + float(value) * size, count + size)
     return sums
-
-
-def mean_metrics(outputs: Iterable[tuple[dict[str, torch.Tensor], int]]) -> dict[str, float]:
-    """Each metric's mean over the steps that reported it, weighted by their batch sizes."""
-    return {
-        key: total / count if count else float("nan")
-        for key, (total, count) in weighted_sums(outputs).items()
-    }
