@@ -47,6 +47,26 @@ def start_of(pid: int) -> str:
     return "0"
 
 
+#: The kernel's PF_EXITING bit in the flags of ``/proc/<pid>/stat``: set when a process
+#: begins to exit, before it closes its files (and so its sockets).
+_PF_EXITING = 0x4
+
+
+def exiting(pid: int) -> bool:
+    """Whether process ``pid`` has begun to exit, or has ended: its sockets may already be
+    closed, so a peer may fail because of it before its exit status can be read. ``False``
+    where that cannot be told (no ``/proc``)."""
+    try:
+        fields = _stat(pid)
+    except OSError:
+        return False
+    if fields is None:
+        return True
+    with contextlib.suppress(IndexError, ValueError):
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
+    return False
+
+
 def owner(pid: int | None = None) -> str:
     """Process ``pid`` (default: this one) as a name records it: ``<pid>.<start>@<host>``
     (:data:`OWNER`)."""

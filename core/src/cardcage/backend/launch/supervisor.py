@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from cardcage.backend.launch.error_files import fits_finished, left_early, read_error_file
 from cardcage.backend.launch.rendezvous import arrival_key
 from cardcage.backend.launch.watchdog import Watch
+from cardcage.config import owners
 from cardcage.config.variables import INIT_TIMEOUT, init_timeout
 from cardcage.errors import RankFailedError
 
@@ -168,14 +169,16 @@ class Supervisor:
         Its time of failure is the one its error file records. A child that ended without a
         word (killed from outside, ``os._exit``) leaves no file; it ended after it was last
         seen running and before its peers noticed its absence, so it counts from the last
-        time it was seen running: a peer that failed because it was gone comes later.
+        time it was seen running: a peer that failed because it was gone comes later. A
+        process that has begun to exit (killed, its sockets closing) no longer counts as
+        running, though its exit status cannot be read yet.
         """
         now = time.monotonic()
         failed = []
         for child in self.children:
             code = child.poll()
-            if code is None:
-                self._alive_at[child.rank] = now
+            if code is None and not owners.exiting(child.pid):
+                self._alive_at[child.rank] = now  # running, not yet on its way out
             elif code != 0 or fits_finished(child.error_file) < self.runs:
                 failed.append(child)
         if not failed:
