@@ -1,16 +1,10 @@
-"""Shared fixtures: fixed fake GPU counts (``fake_cuda(n)`` comes from the conformance kit's
-pytest plugin), and in-process plugins that are always removed."""
+"""Shared fixtures: fixed fake GPU counts. ``fake_cuda(n)``, ``inprocess_plugins`` and
+``inprocess_accelerators`` come from the conformance kit's pytest plugin."""
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Iterator
-
 import pytest
 import torch
-
-import cardcage
-from cardcage.plugins import manager as plugins
 
 
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> int:
@@ -40,34 +34,3 @@ def cuda_count_2(monkeypatch: pytest.MonkeyPatch) -> int:
 @pytest.fixture
 def cuda_count_4(monkeypatch: pytest.MonkeyPatch) -> int:
     return _fake_cuda(monkeypatch, 4)
-
-
-@pytest.fixture
-def inprocess_plugins() -> Iterator[Callable[[object, str], None]]:
-    """Register in-process plugins for one test; every one is unregistered afterwards."""
-    names: list[str] = []
-
-    def add(plugin: object, name: str) -> None:
-        names.append(name)
-        plugins.register(plugin, name)
-
-    try:
-        yield add
-    finally:
-        for name in names:
-            plugins.unregister(name)
-        plugins.clear_cache()
-
-
-@pytest.fixture
-def inprocess_accelerators(
-    inprocess_plugins: Callable[[object, str], None],
-) -> Callable[..., None]:
-    """Register accelerator classes as one in-process plugin: ``add("name", Class, ...)``."""
-
-    def add(name: str, *classes: type) -> None:
-        module = types.ModuleType(f"cardcage_{name}")
-        module.cardcage_accelerators = cardcage.hookimpl(lambda: list(classes))  # type: ignore[attr-defined]
-        inprocess_plugins(module, name)
-
-    return add
