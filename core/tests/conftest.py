@@ -3,34 +3,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
-import torch
 
 
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> int:
-    # The two calls selection uses to count GPUs (docs/choosing-a-backend.md says so, and that
-    # tests may patch them); nothing else is patched, so a code path that reaches for CUDA some
-    # other way shows up in a test.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    return count
+# Fixed GPU counts through the kit's fake_cuda: the two calls selection counts GPUs with.
+@pytest.fixture
+def cuda_count_0(fake_cuda: Callable[[int], None]) -> int:
+    fake_cuda(0)
+    return 0
 
 
 @pytest.fixture
-def cuda_count_0(monkeypatch: pytest.MonkeyPatch) -> int:
-    return _fake_cuda(monkeypatch, 0)
+def cuda_count_1(fake_cuda: Callable[[int], None]) -> int:
+    fake_cuda(1)
+    return 1
 
 
 @pytest.fixture
-def cuda_count_1(monkeypatch: pytest.MonkeyPatch) -> int:
-    return _fake_cuda(monkeypatch, 1)
+def cuda_count_2(fake_cuda: Callable[[int], None]) -> int:
+    fake_cuda(2)
+    return 2
 
 
 @pytest.fixture
-def cuda_count_2(monkeypatch: pytest.MonkeyPatch) -> int:
-    return _fake_cuda(monkeypatch, 2)
-
-
-@pytest.fixture
-def cuda_count_4(monkeypatch: pytest.MonkeyPatch) -> int:
-    return _fake_cuda(monkeypatch, 4)
+def cuda_count_4(fake_cuda: Callable[[int], None]) -> int:
+    fake_cuda(4)
+    return 4
