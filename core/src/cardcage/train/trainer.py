@@ -29,7 +29,7 @@ from cardcage.config.model_contract import Optimization, check_model, configure_
 from cardcage.errors import MisconfigurationError
 from cardcage.plugins import manager as plugins
 from cardcage.selection.engine import probe_pending_gpus, select
-from cardcage.train import loop, requeue, stop_step
+from cardcage.train import loop, predicting, requeue, stop_step
 from cardcage.train import resume as resuming
 from cardcage.train.process_state import as_found
 from cardcage.train.progress import ProgressBar
@@ -199,6 +199,12 @@ class Trainer:
     ) -> dict[str, float]:
         """Run ``test_step`` over the test loaders; return the mean metrics."""
         return self._evaluate(model, dataloaders, "test_step", "test_dataloader", "test")
+
+    def predict(self, model: torch.nn.Module | None = None, dataloaders: Any = None) -> list[Any]:
+        """``predict_step(batch, batch_idx)``'s outputs (the model's forward without one), in
+        the loaders' order; under several processes every sample's prediction once, in order.
+        See :mod:`cardcage.train.predicting`."""
+        return predicting.predict(self, model, dataloaders)
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Write a checkpoint: one file, atomically (or the backend's own format).
