@@ -49,11 +49,13 @@ def make_trainer(tmp_path: Path) -> Callable[..., Any]:
 
 
 def end_epoch(callback: Any, trainer: Any, epoch: int, **metrics: float) -> None:
-    """Epoch ``epoch`` (10 steps each) ends with ``metrics``: the hook the loop calls."""
+    """Epoch ``epoch`` (10 steps each) ends with ``metrics``: the hooks the loop calls then,
+    in its order."""
     trainer.current_epoch = epoch
     trainer.global_step = 10 * (epoch + 1)
     trainer.callback_metrics = {name: torch.tensor(value) for name, value in metrics.items()}
     callback.on_train_epoch_end(trainer, None, [])
+    callback.on_epoch_end(trainer, None)
 
 
 @pytest.fixture

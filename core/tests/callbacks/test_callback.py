@@ -61,7 +61,7 @@ def test_overridden_names_only_what_a_callback_defines() -> None:
     assert {name for name in hooks if overridden(callback, name)} == wanted
     assert callback.state_key.endswith("Further")
     assert {name for name in hooks if overridden(ModelCheckpoint(), name)} == {
-        "on_train_epoch_end",
+        "on_epoch_end",
         *STATE_HOOKS,
     }
     assert {name for name in hooks if overridden(EarlyStopping("loss"), name)} == {

@@ -174,7 +174,7 @@ def test_nothing_while_sanity_checking_in_fast_dev_run_or_without_new_steps(
     assert trainer.saved == []
     trainer.flags.fast_dev_run = False
     epoch_end(check, trainer, 0)
-    check.on_train_epoch_end(trainer, None, [])  # the same global_step: nothing new to save
+    check.on_epoch_end(trainer, None)  # the same global_step: nothing new to save
     assert len(trainer.saved) == 2  # one top-k file, one last.ckpt
 
 

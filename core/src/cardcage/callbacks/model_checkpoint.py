@@ -27,7 +27,8 @@ FIELD = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")
 
 
 class ModelCheckpoint(Callback):
-    """Save a checkpoint at the end of every ``every_n_epochs``-th training epoch.
+    """Save a checkpoint at the end of every ``every_n_epochs``-th training epoch
+    (``on_epoch_end``: after its validation, and after the other callbacks' epoch end).
 
     - ``dirpath``: where the files go. None: ``<logger.log_dir>/checkpoints`` when the
       trainer has a logger with a ``log_dir``, else ``<default_root_dir>/checkpoints``, else
@@ -81,8 +82,14 @@ class ModelCheckpoint(Callback):
 
     # -- the hook -------------------------------------------------------------------------
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any, outputs: Any) -> None:
-        """Save (or not) on every rank alike, as rank 0 decided."""
+    def on_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """Save (or not) on every rank alike, as rank 0 decided.
+
+        ``on_epoch_end`` comes after every callback's and the model's ``on_train_epoch_end``
+        (where EarlyStopping counts), so the checkpoint holds their state after this epoch,
+        whatever the order of ``trainer.callbacks``; this epoch's validation metrics are in
+        ``trainer.callback_metrics`` already.
+        """
         if not self._due(trainer):
             return
         plan = self._plan(trainer) if trainer.is_global_zero else None
