@@ -95,7 +95,7 @@ def test_the_top_level_holds_only_the_faces_and_leaves() -> None:
     subpackages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert subpackages == {
         "cli", "train", "selection", "plugins", "backend",
-        "environments", "checkpoints", "config", "testing",
+        "environments", "checkpoints", "config", "testing", "callbacks", "loggers",
     }  # fmt: skip
 
 

@@ -47,6 +47,9 @@ Commands and flags (a plugin's own ``cardcage`` commands)
     :class:`Command`, :func:`add_trainer_flags` and :func:`trainer_flags` (the Trainer
     flags spelled as every ``cardcage`` command spells them), :data:`FLAG_NAMES` and
     :class:`Flags` (every Trainer flag, validated).
+Loggers (a plugin's own ``Trainer(logger="name")``)
+    :class:`Logger` (subclass it, set ``logger_name``, return the class from the
+    ``cardcage_loggers`` hook).
 Cluster jobs (a plugin that submits or requeues jobs)
     :data:`REQUEUE_SIGNAL` and :func:`parse_signal` (the requeue signal setting),
     :data:`INTERACTIVE_SLURM_JOB_NAMES`, :data:`REQUEUED_EXIT_STATUS` (a fit that stopped for
@@ -116,6 +119,7 @@ from cardcage.devices import gpu_memory_metrics
 from cardcage.environments.base import ClusterEnvironment, env_int
 from cardcage.environments.slurm import INTERACTIVE_SLURM_JOB_NAMES
 from cardcage.errors import MisconfigurationError, RankFailedError
+from cardcage.loggers.base import Logger
 from cardcage.plugins.commands import Command, Commands
 from cardcage.plugins.manager import Registry, registry
 from cardcage.plugins.manager import register as register_plugin
@@ -141,6 +145,7 @@ __all__ = [
     "Flags",
     "InProcessLauncher",
     "Launcher",
+    "Logger",
     "MisconfigurationError",
     "Optimization",
     "Precision",

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import gc
 import importlib.metadata as metadata
+import inspect
 import sys
 import threading
 import time
@@ -50,6 +51,8 @@ from cardcage.config.variables import (
 from cardcage.environments.base import ClusterEnvironment
 from cardcage.environments.builtin import BUILTIN_ENVIRONMENTS
 from cardcage.errors import PluginError
+from cardcage.loggers import BUILTIN_LOGGERS
+from cardcage.loggers.base import Logger
 from cardcage.plugins import spec
 from cardcage.plugins.settings import (
     SETTINGS,
@@ -73,6 +76,7 @@ class PluginRecord:
     status: str  # loaded | failed | disabled | not autoloaded | not installed
     error: str | None = None
     accelerators: tuple[str, ...] = ()
+    loggers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,18 @@ class Registered:
     version: str | None
 
 
+#: Who registered the built-in loggers, as a logger name's owner is named in a conflict.
+BUILTIN_OWNER = "cardcage-core (built in)"
+
+
+def _builtin_loggers() -> dict[str, type[Logger]]:
+    return {cls.logger_name: cls for cls in BUILTIN_LOGGERS}
+
+
+def _builtin_logger_owners() -> dict[str, str]:
+    return dict.fromkeys(_builtin_loggers(), BUILTIN_OWNER)
+
+
 @dataclass
 class Registry:
     """Everything the loaded plugins registered."""
@@ -92,6 +108,11 @@ class Registry:
     accelerators: dict[str, Registered] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     environments: tuple[type[ClusterEnvironment], ...] = BUILTIN_ENVIRONMENTS
+    #: Logger classes by lower-case ``logger_name`` (``Trainer(logger="name")``): the
+    #: built-in ones and those of the ``cardcage_loggers`` hook.
+    loggers: dict[str, type[Logger]] = field(default_factory=_builtin_loggers)
+    #: Who registered each logger name: the plugin and its distribution.
+    logger_owners: dict[str, str] = field(default_factory=_builtin_logger_owners)
     plugins: list[PluginRecord] = field(default_factory=list)
     hooks: Any = None  # the pluggy hook relay, for lifecycle and report hooks
     #: The plugin settings (:data:`SETTINGS`) this registry was loaded with.
@@ -252,6 +273,7 @@ class PluginManager:
             try:
                 classes = self._call(plugin, "cardcage_accelerators", Accelerator)
                 envs = self._call(plugin, "cardcage_cluster_environments", ClusterEnvironment)
+                loggers = self._logger_classes(plugin)
             except Exception as error:
                 self.pm.unregister(plugin)
                 self._record(replace(base, status="failed", error=_failure(error)), error)
@@ -259,8 +281,14 @@ class PluginManager:
             for cls in classes:
                 self._add(registry, Registered(cls, name, dist, version))
             environments.extend(envs)
+            owner = f"{name} ({dist or 'registered in-process'})"
+            for logger in loggers:
+                self._add_logger(registry, logger, owner)
             accelerators = tuple(c.name for c in classes)
-            self.records.append(replace(base, status="loaded", accelerators=accelerators))
+            logger_names = tuple(c.logger_name.strip().lower() for c in loggers)
+            self.records.append(
+                replace(base, status="loaded", accelerators=accelerators, loggers=logger_names)
+            )
         registry.environments = tuple(environments)
         registry.plugins.sort(key=lambda r: r.name)
         return registry
@@ -289,6 +317,52 @@ class PluginManager:
                             f"{item.__name__}.rules holds {rule!r}, not a Rule(order=int)"
                         )
         return items
+
+    @staticmethod
+    def _logger_classes(plugin: object) -> list[type[Logger]]:
+        """What the plugin's ``cardcage_loggers`` returned, checked: concrete
+        :class:`~cardcage.loggers.Logger` subclasses with a ``logger_name``, each buildable as
+        ``cls(save_dir=...)``."""
+        function = getattr(plugin, "cardcage_loggers", None)
+        if function is None:
+            return []
+        items = list(function() or [])
+        for item in items:
+            if not (isinstance(item, type) and issubclass(item, Logger)):
+                raise TypeError(
+                    f"cardcage_loggers() returned {item!r}, not a cardcage.sdk.Logger subclass"
+                )
+            name = getattr(item, "logger_name", None)
+            if not isinstance(name, str) or not name.strip():
+                raise TypeError(
+                    f"cardcage_loggers() returned {item.__name__} without a logger_name"
+                )
+            if inspect.isabstract(item):
+                missing = ", ".join(sorted(getattr(item, "__abstractmethods__", ())))
+                raise TypeError(
+                    f"cardcage_loggers() returned {item.__name__}, which does not implement "
+                    f"{missing}"
+                )
+            try:
+                inspect.signature(item).bind(save_dir="logs")
+            except TypeError as error:
+                raise TypeError(
+                    f"cardcage_loggers() returned {item.__name__}, which cannot be built as "
+                    f"{item.__name__}(save_dir=...) ({error}): every other argument of its "
+                    "constructor needs a default"
+                ) from None
+        return items
+
+    @staticmethod
+    def _add_logger(registry: Registry, cls: type[Logger], owner: str) -> None:
+        key = cls.logger_name.strip().lower()
+        if key in registry.loggers:
+            raise PluginError(
+                f"logger name {key!r} is claimed twice: {registry.logger_owners[key]} and "
+                f"{owner}. Uninstall one, or disable it with CARDCAGE_DISABLE_PLUGINS=<name>."
+            )
+        registry.loggers[key] = cls
+        registry.logger_owners[key] = owner
 
     @staticmethod
     def _add(registry: Registry, entry: Registered) -> None:

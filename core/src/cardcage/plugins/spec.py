@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from cardcage.backend.accelerator import Accelerator
     from cardcage.backend.trainer_protocol import TrainerProtocol as Trainer
     from cardcage.environments.base import ClusterEnvironment
+    from cardcage.loggers.base import Logger
     from cardcage.plugins.commands import Commands
 
 NAME = "cardcage"
@@ -49,6 +50,25 @@ def cardcage_cluster_environments() -> list[type[ClusterEnvironment]]:
 
     :return: the :class:`~cardcage.environments.builtin.ClusterEnvironment` subclasses this plugin
         provides.
+    """
+    raise AssertionError("hookspec")  # pragma: no cover
+
+
+@_spec
+def cardcage_loggers() -> list[type[Logger]]:
+    """Register loggers that ``Trainer(logger="<name>")`` selects by name.
+
+    Called once per plugin when plugins are loaded. Each returned class is a concrete
+    :class:`~cardcage.sdk.Logger` subclass, registered under its ``logger_name`` (without
+    regard to case); ``Trainer(logger="<logger_name>")`` builds it as
+    ``cls(save_dir=default_root_dir)``, so every other argument of its constructor needs a
+    default. A name that a built-in logger (``csv``, ``tensorboard``) or another plugin
+    already has is an error naming both; a class that is not a concrete ``Logger`` subclass
+    with a ``logger_name``, or cannot be built with ``save_dir`` alone, makes the plugin fail
+    to load (listed by ``cardcage plugins``). A logger instance needs no registration:
+    ``Trainer(logger=MyLogger(...))`` takes any ``Logger``.
+
+    :return: the :class:`~cardcage.sdk.Logger` subclasses this plugin provides.
     """
     raise AssertionError("hookspec")  # pragma: no cover
 

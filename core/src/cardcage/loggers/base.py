@@ -1,0 +1,201 @@
+"""What a logger is: Lightning 1.0's ``LightningLoggerBase``, and the folder the built-in ones
+write into.
+
+The loop calls a logger's writing methods (:meth:`Logger.log_hyperparams`,
+:meth:`Logger.log_metrics`, :meth:`Logger.save`, :meth:`Logger.finalize`) on global rank 0
+only. A logger is often built in the process that calls ``fit`` and pickled to the training
+processes, so it must hold nothing that cannot be pickled (an open file, a writer) before its
+first write, and must create nothing on disk before it: the rank-0 process writes.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+
+def metric_value(value: Any) -> Any:
+    """A logged value as a plain number: a tensor or NumPy scalar as its ``item()``."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else value
+
+
+class Logger(abc.ABC):
+    """A logger the Trainer writes metrics and hyperparameters to (``Trainer(logger=...)``).
+
+    Subclass it and implement :attr:`name`, :attr:`version`, :meth:`log_hyperparams` and
+    :meth:`log_metrics`; :meth:`save`, :meth:`finalize`, :attr:`save_dir`, :attr:`log_dir` and
+    :attr:`experiment` have defaults. A plugin registers its logger class through the
+    ``cardcage_loggers`` hook under :attr:`logger_name`, and ``Trainer(logger="<logger_name>")``
+    then builds it as ``cls(save_dir=default_root_dir)``: every other argument of its
+    constructor needs a default.
+    """
+
+    #: The name ``Trainer(logger="...")`` selects this class by when a plugin registers it
+    #: (matched without regard to case). Empty: the class cannot be registered.
+    logger_name: ClassVar[str] = ""
+
+    @classmethod
+    def check_installed(cls) -> None:
+        """Raise :class:`~cardcage.MisconfigurationError` when a package this logger needs is
+        not installed (the message says what to install). ``Trainer(logger="<name>")`` and
+        ``cardcage.select`` call it before building the logger; the default checks nothing."""
+        return None  # a default, not a method left to implement
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str | None:
+        """The experiment's name (a folder level for the loggers that write files)."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int | str | None:
+        """The experiment's version (``version_<n>`` for the loggers that write files)."""
+
+    @property
+    def save_dir(self) -> str | None:
+        """The folder the logger writes under, or ``None`` when it writes no files."""
+        return None
+
+    @property
+    def log_dir(self) -> str | None:
+        """The folder of this run's files, or ``None`` when it writes no files."""
+        return None
+
+    @property
+    def experiment(self) -> Any:
+        """The object behind the logger (a ``SummaryWriter`` for TensorBoard), for what the
+        logger's methods do not cover; ``None`` when there is none."""
+        return None
+
+    @abc.abstractmethod
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        """Record the run's hyperparameters (the model's ``hparams``)."""
+
+    @abc.abstractmethod
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Record ``metrics`` (name to value) at ``step`` (the global step)."""
+
+    def save(self) -> None:
+        """Make what was logged so far durable (the built-in loggers write as they go)."""
+        return None  # a default, not a method left to implement
+
+    def finalize(self, status: str) -> None:
+        """The run ended (``status``: ``"success"``, ``"failed"`` or ``"interrupted"``); save
+        and release what the logger holds. Called once at the end of ``fit``."""
+        self.save()
+
+
+class LoggerCollection(Logger):
+    """Several loggers as one: every call goes to each, in order (``Trainer(logger=[a, b])``).
+
+    :attr:`name` and :attr:`version` join the loggers' own with ``_``; :attr:`save_dir` and
+    :attr:`log_dir` are ``None`` (the loggers keep their own); :attr:`experiment` is the list
+    of theirs. Iterating, indexing and ``len`` reach the loggers.
+    """
+
+    def __init__(self, loggers: Sequence[Logger]):
+        self._loggers = list(loggers)
+
+    def __iter__(self) -> Iterator[Logger]:
+        return iter(self._loggers)
+
+    def __getitem__(self, index: int) -> Logger:
+        return self._loggers[index]
+
+    def __len__(self) -> int:
+        return len(self._loggers)
+
+    @property
+    def name(self) -> str:
+        return "_".join(str(logger.name) for logger in self._loggers)
+
+    @property
+    def version(self) -> str:
+        return "_".join(str(logger.version) for logger in self._loggers)
+
+    @property
+    def experiment(self) -> list[Any]:
+        return [logger.experiment for logger in self._loggers]
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        for logger in self._loggers:
+            logger.log_hyperparams(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for logger in self._loggers:
+            logger.log_metrics(metrics, step)
+
+    def save(self) -> None:
+        for logger in self._loggers:
+            logger.save()
+
+    def finalize(self, status: str) -> None:
+        for logger in self._loggers:
+            logger.finalize(status)
+
+
+_VERSION_FOLDER = re.compile(r"version_(\d+)")
+
+
+def next_version(root: str) -> int:
+    """One more than the largest ``version_<n>`` folder under ``root``; 0 when there is none
+    (or no ``root``). Reads the folder, creates nothing."""
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    found = [
+        int(match[1])
+        for entry in entries
+        if entry.is_dir() and (match := _VERSION_FOLDER.fullmatch(entry.name))
+    ]
+    return max(found) + 1 if found else 0
+
+
+class FolderLogger(Logger):
+    """A logger writing files into ``<save_dir>/<name>/version_<n>`` (a ``version`` string is
+    the folder's name as it is; a ``name`` of ``""`` or ``None`` drops that level).
+
+    ``version=None`` takes the next free ``version_<n>`` when the version is first needed
+    (the first write, or reading :attr:`version` or :attr:`log_dir`), by reading the folder;
+    nothing is created before the first write.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        name: str | None = "logs",
+        version: int | str | None = None,
+    ):
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def root_dir(self) -> str:
+        """``<save_dir>/<name>``: the folder the versions are in."""
+        return os.path.join(self._save_dir, self._name)
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = next_version(self.root_dir)
+        return self._version
+
+    @property
+    def log_dir(self) -> str:
+        version = self.version
+        folder = version if isinstance(version, str) else f"version_{version}"
+        return os.path.join(self.root_dir, folder)
