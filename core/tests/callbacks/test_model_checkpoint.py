@@ -272,6 +272,16 @@ def test_every_rank_follows_rank_0s_plan(
     assert rank1.saved == rank0.saved == [str(tmp_path / f"epoch={e}.ckpt") for e in (0, 1)]
     assert names(tmp_path) == ["epoch=1.ckpt"]
     assert second.on_save_checkpoint(rank1, None) == first.on_save_checkpoint(rank0, None)
+    # the plan crosses processes by any backend's broadcast: plain values, no tensors
+    assert all(plain(plan) for plan in plans)
+
+
+def plain(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(plain(v) for v in value)
+    return value is None or isinstance(value, str | int | float)
 
 
 def test_a_missing_monitor_raises_on_every_rank(

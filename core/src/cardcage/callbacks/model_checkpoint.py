@@ -124,9 +124,12 @@ class ModelCheckpoint(Callback):
         dirpath = self.dirpath or default_dirpath(trainer)
         metrics = trainer.callback_metrics
         epoch, step = int(trainer.current_epoch), int(trainer.global_step)
+        # Plain values only: the plan crosses processes by every backend's broadcast.
         state = self._state()
         state["dirpath"] = dirpath
-        best_k: dict[str, torch.Tensor] = dict(state["best_k_models"])
+        score = state["best_model_score"]
+        state["best_model_score"] = None if score is None else float(score)
+        best_k = {path: float(value) for path, value in self.best_k_models.items()}
         save: list[str] = []
         delete: list[str] = []
 
@@ -168,28 +171,28 @@ class ModelCheckpoint(Callback):
         delete = [path for path in delete if path not in kept]
         return {"error": None, "state": state, "save": save, "delete": delete}
 
-    def _score(self, value: Any) -> torch.Tensor:
-        """The monitored value as a CPU tensor; NaN ranks worst (Lightning's +-inf)."""
+    def _score(self, value: Any) -> float:
+        """The monitored value; NaN ranks worst (Lightning's +-inf)."""
         current = float(value)
         if math.isnan(current):
             current = math.inf if self.mode == "min" else -math.inf
-        return torch.tensor(current)
+        return current
 
-    def _better(self, a: torch.Tensor, b: torch.Tensor) -> bool:
-        return float(a) < float(b) if self.mode == "min" else float(a) > float(b)
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
 
-    def _accepts(self, current: torch.Tensor, best_k: Mapping[str, torch.Tensor]) -> bool:
+    def _accepts(self, current: float, best_k: Mapping[str, float]) -> bool:
         if self.save_top_k == -1 or len(best_k) < self.save_top_k:
             return True
         return self._better(current, best_k[self._worst(best_k)])
 
-    def _best(self, best_k: Mapping[str, torch.Tensor]) -> str:
+    def _best(self, best_k: Mapping[str, float]) -> str:
         pick = min if self.mode == "min" else max
-        return pick(best_k, key=lambda path: float(best_k[path]))  # ties: the first kept
+        return pick(best_k, key=best_k.__getitem__)  # ties: the first kept
 
-    def _worst(self, best_k: Mapping[str, torch.Tensor]) -> str:
+    def _worst(self, best_k: Mapping[str, float]) -> str:
         pick = max if self.mode == "min" else min
-        return pick(best_k, key=lambda path: float(best_k[path]))  # ties: the first kept
+        return pick(best_k, key=best_k.__getitem__)  # ties: the first kept
 
     def _free_path(
         self,
@@ -268,10 +271,13 @@ class ModelCheckpoint(Callback):
         }
 
     def _apply(self, state: Mapping[str, Any]) -> None:
+        """Adopt a plan's bookkeeping: its scores are floats, kept as tensors like
+        Lightning's (float64: a score read back compares equal to the value it came from)."""
+        score = state["best_model_score"]
         self.dirpath = state["dirpath"]
         self.best_model_path = state["best_model_path"]
-        self.best_model_score = state["best_model_score"]
-        self.best_k_models = dict(state["best_k_models"])
+        self.best_model_score = None if score is None else _tensor(score)
+        self.best_k_models = {path: _tensor(v) for path, v in state["best_k_models"].items()}
         self.kth_best_model_path = state["kth_best_model_path"]
         self.last_model_path = state["last_model_path"]
 
@@ -309,6 +315,10 @@ class ModelCheckpoint(Callback):
         self.best_k_models = dict(state.get("best_k_models", {}))
         self.kth_best_model_path = state.get("kth_best_model_path", "")
         self.last_model_path = state.get("last_model_path", "")
+
+
+def _tensor(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
 
 
 def default_dirpath(trainer: Any) -> str:
