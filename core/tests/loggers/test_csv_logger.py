@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import multiprocessing
 import os
 import pickle
 from pathlib import Path
@@ -198,6 +199,21 @@ def test_a_logger_pickles_to_a_training_process_before_and_after_writing(
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").read_text() == (
         "step,x\n0,1.0\n1,2.0\n2,3.0\n"
     )
+
+
+@pytest.mark.slow
+def test_a_logger_built_here_writes_from_a_spawned_process(tmp_path: Path) -> None:
+    """What a spawned run does: the caller builds the logger (writing nothing), a fresh
+    interpreter unpickles it and writes; the caller's copy stays empty."""
+    logger = CSVLogger(tmp_path)
+    process = multiprocessing.get_context("spawn").Process(
+        target=logger.log_metrics, args=({"loss": 0.5}, 7)
+    )
+    process.start()
+    process.join(timeout=120)
+    assert process.exitcode == 0
+    assert (tmp_path / "logs" / "version_0" / "metrics.csv").read_text() == "step,loss\n7,0.5\n"
+    assert logger.metrics == []
 
 
 def test_a_collection_passes_every_call_to_each_logger(tmp_path: Path) -> None:
