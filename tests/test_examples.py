@@ -165,13 +165,13 @@ class Run:
     seconds: float | None = None
 
     @classmethod
-    def start(cls, name: str, folder: Path) -> Run:
+    def start(cls, name: str, folder: Path, command: list[str] | None = None) -> Run:
         folder.mkdir(parents=True)
         (folder / "tmp").mkdir()
         marker = f"cardcage-example-{name}-{uuid.uuid4().hex}"
         with (folder / "stdout").open("wb") as out, (folder / "stderr").open("wb") as err:
             popen = subprocess.Popen(
-                EXAMPLE_RUNS[name].command,
+                command or EXAMPLE_RUNS[name].command,
                 cwd=folder,
                 env=clean_env(marker, folder / "tmp"),
                 stdin=subprocess.DEVNULL,
@@ -227,15 +227,21 @@ class Run:
             self.popen.wait(timeout=10)
 
 
+def selected_params(request: pytest.FixtureRequest, param: str) -> set[Any]:
+    """The values of ``param`` among the collected tests of this module."""
+    return {
+        item.callspec.params[param]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and param in getattr(getattr(item, "callspec", None), "params", {})
+    }
+
+
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Start every selected example at once (most of a run is waiting for torch to import);
     each test then waits for its own."""
-    selected = {
-        item.callspec.params["name"]
-        for item in request.session.items
-        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
-    }
+    selected = selected_params(request, "name")
     root = tmp_path_factory.mktemp("examples")
     started = {name: Run.start(name, root / name) for name in sorted(selected)}
     yield started
@@ -285,3 +291,128 @@ def test_example_ends_with_the_weights_of_its_reference_loop(
         assert by_rank[0]["pid"] == run.popen.pid
     else:  # torchrun's workers train; the agent does not
         assert run.popen.pid not in {line["pid"] for line in lines}
+
+
+# -- examples/lightning_style.py: a cardcage.Module with self.log, validation, a step
+# scheduler, accumulation, clipping, ModelCheckpoint and EarlyStopping, on each backend.
+
+LIGHTNING = str(EXAMPLES / "lightning_style.py")
+#: The example's defaults: samples per process per step, and the most epochs.
+LIGHTNING_BATCH, LIGHTNING_EPOCHS = 8, 10
+
+
+@dataclass(frozen=True)
+class LightningRun:
+    command: list[str]
+    ranks: int
+    accelerator: str
+    #: Processes that print a line: the training processes, or the caller alone (spawn).
+    lines: int
+
+
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _backend(name: str, processes: int) -> list[str]:
+    return [LIGHTNING, "--distributed-backend", name, "--num-processes", str(processes)]
+
+
+LIGHTNING_RUNS = {
+    "cpu": LightningRun([PYTHON, *_backend("cpu", 1)], 1, "cpu", 1),
+    "ddp_spawn": LightningRun([PYTHON, *_backend("ddp_spawn", 2)], 2, "ddp_spawn", 1),
+    # Rank 0 is the process started here; cardcage re-runs the script for rank 1.
+    "ddp": LightningRun([PYTHON, *_backend("ddp", 2)], 2, "ddp", 2),
+    "torchrun": LightningRun(
+        [*TORCHRUN, *_backend("ddp", 2)],
+        2,
+        "ddp",
+        2,
+    ),
+    "fsdp_spawn": LightningRun([PYTHON, *_backend("fsdp_spawn", 2)], 2, "fsdp_spawn", 1),
+}
+
+
+def load_lightning_style() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("cardcage_example_lightning_style", LIGHTNING)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Start every selected backend's run of examples/lightning_style.py at once."""
+    root = tmp_path_factory.mktemp("lightning_style")
+    started = {
+        backend: Run.start(f"lightning_style-{backend}", root / backend, run.command)
+        for backend, run in LIGHTNING_RUNS.items()
+        if backend in selected_params(request, "backend")
+    }
+    yield started
+    for run in started.values():
+        run.kill()
+
+
+@pytest.fixture(scope="module")
+def lightning_style() -> ModuleType:
+    return load_lightning_style()
+
+
+def test_lightning_style_reference_is_sensitive(lightning_style: ModuleType) -> None:
+    """The reference comparison can tell: accumulation, clipping, the per-rank split and
+    early stopping each change the weights the reference ends with."""
+    example = lightning_style
+    two = example.reference(2, LIGHTNING_BATCH, LIGHTNING_EPOCHS)
+    one = example.reference(1, LIGHTNING_BATCH, LIGHTNING_EPOCHS)
+    for weights in (
+        one["weights"],  # every rank trained on all the data
+        example.reference(2, LIGHTNING_BATCH, LIGHTNING_EPOCHS, accumulate=1)["weights"],
+        example.reference(2, LIGHTNING_BATCH, LIGHTNING_EPOCHS, clip=0.0)["weights"],
+        example.reference(2, LIGHTNING_BATCH, two["epochs"] - 1)["weights"],  # one epoch less
+        example.Regressor().state_dict(),
+    ):
+        assert max_difference(weights, two["weights"]) > 100 * TOLERANCE
+    # EarlyStopping ends both before max_epochs, at different epochs
+    assert one["epochs"] < two["epochs"] < LIGHTNING_EPOCHS
+
+
+@pytest.mark.parametrize("backend", sorted(LIGHTNING_RUNS))
+def test_lightning_style_example_matches_its_reference(
+    backend: str, lightning_runs: dict[str, Run], lightning_style: ModuleType
+) -> None:
+    """On each backend: the final weights, the number of steps (EarlyStopping stopped every
+    rank at the same epoch as the reference's rule) and the best validation loss equal the
+    plain loop's; the best checkpoint exists where the caller is told it is; one CSV log,
+    written by rank 0 only."""
+    run = lightning_runs[backend]
+    lines = run.finish()
+    expected = LIGHTNING_RUNS[backend]
+    output = run.output()
+    assert len(lines) == expected.lines, output
+    reference = lightning_style.reference(expected.ranks, LIGHTNING_BATCH, LIGHTNING_EPOCHS)
+    for line in lines:
+        assert line["example"] == "lightning_style"
+        assert (line["accelerator"], line["world_size"]) == (expected.accelerator, expected.ranks)
+        assert line["global_step"] == reference["global_step"], output
+        difference = max_difference(weights_of(line), reference["weights"])
+        print(f"{backend} rank {line['rank']}: max |w - reference| = {difference:.3g}")
+        assert difference <= TOLERANCE, f"rank {line['rank']} differs by {difference:g}\n{output}"
+        assert abs(line["best_model_score"] - reference["best_val_loss"]) <= TOLERANCE
+        best = Path(line["best_model_path"])
+        assert best.is_file() and best.suffix == ".ckpt", line["best_model_path"]
+        assert best.is_relative_to(run.folder.resolve()), best
+        # Lightning 1.0's names and counts: the epoch that validated best, the epoch it stopped
+        assert best.name.startswith(f"epoch={reference['best_epoch']}-"), best.name
+        assert line["stopped_epoch"] == reference["epochs"] - 1, output
+        assert {"train_loss_step", "train_loss_epoch", "val_loss", "val_mae"} <= set(
+            line["metrics"]
+        )
+    by_rank = {line["rank"]: line for line in lines}
+    assert sorted(by_rank) == list(range(len(lines))), output
+    if backend != "torchrun":  # the process started here trains as rank 0, or spawned them
+        assert by_rank[0]["pid"] == run.popen.pid
+    logs = sorted((run.folder / "lightning_style_runs" / "logs").glob("*/metrics.csv"))
+    assert len(logs) == 1, logs  # one logger version: only rank 0 wrote
+    header = logs[0].read_text().splitlines()[0].split(",")
+    assert {"val_loss", "train_loss_step", "train_loss_epoch"} <= set(header), header
