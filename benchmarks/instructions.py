@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long", type=int, help="steps of the long run (300; --ddp: 150)")
     parser.add_argument("--epoch", type=int, default=50, help="steps per epoch")
     parser.add_argument("--lightning", action="store_true", help="count Lightning too")
+    parser.add_argument(
+        "--log", action="store_true", help="count cardcage with self.log of one value a step"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the counts")
     parser.add_argument("--ddp", action="store_true", help="count ddp.py's two-process step")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_ddp(args.short, args.long, args.epoch, args.json)
 
     frameworks = ["plain", "cardcage"] + (["lightning"] if args.lightning else [])
+    frameworks += ["cardcage-log"] if args.log else []
     jobs = [
         (framework, model, steps)
         for model in MODELS

@@ -150,7 +150,11 @@ def build(
     if framework == "lightning":
         base = _lightning().LightningModule
     elif framework.startswith("cardcage"):
-        import cardcage  # noqa: F401  (part of what cardcage costs: pluggy, the plugins)
+        import cardcage  # (part of what cardcage costs: pluggy, the plugins)
+
+        if framework == "cardcage-log":  # self.log of one value a step
+            base = cardcage.Module
+    logs = framework == "cardcage-log"
 
     perf_counter, process_time = time.perf_counter, time.process_time
 
@@ -174,7 +178,10 @@ def build(
             if batch_idx == 0:
                 self.marks.append((perf_counter(), process_time()))
             x, y = batch
-            return F.cross_entropy(self.net(x), y)
+            loss = F.cross_entropy(self.net(x), y)
+            if logs:
+                self.log("train_loss", loss)
+            return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
@@ -268,8 +275,9 @@ def train(
     if framework.startswith("cardcage"):
         import cardcage
 
-        # cardcage-ckpt-N: a step checkpoint (last.ckpt, atomically replaced) every N steps.
-        every = int(framework.rpartition("-")[2]) if framework != "cardcage" else None
+        # cardcage-ckpt-N: a step checkpoint (last.ckpt, atomically replaced) every N steps;
+        # cardcage-log: the model logs a value a step, read every 50 steps (Lightning's default)
+        every = int(framework.rpartition("-")[2]) if framework.startswith("cardcage-ckpt") else None
         trainer = cardcage.Trainer(
             distributed_backend="cpu",
             max_epochs=None,

@@ -10,9 +10,11 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from cardcage import callbacks, loggers
 from cardcage._version import __version__
 from cardcage.backend.accelerator import Accelerator, Availability, Resolution, Rule
 from cardcage.backend.selection_types import Selection, SelectionContext
+from cardcage.callbacks import Callback
 from cardcage.errors import (
     CheckpointError,
     MisconfigurationError,
@@ -22,6 +24,7 @@ from cardcage.errors import (
 )
 from cardcage.plugins.spec import hookimpl
 from cardcage.selection.engine import select
+from cardcage.train.module import Module
 from cardcage.train.seeding import seed_everything
 from cardcage.train.trainer import Trainer
 
@@ -33,8 +36,10 @@ if TYPE_CHECKING:
 __all__ = [
     "Accelerator",
     "Availability",
+    "Callback",
     "CheckpointError",
     "MisconfigurationError",
+    "Module",
     "NonFiniteLossError",
     "PluginError",
     "RankFailedError",
@@ -44,7 +49,9 @@ __all__ = [
     "SelectionContext",
     "Trainer",
     "__version__",
+    "callbacks",
     "hookimpl",
+    "loggers",
     "seed_everything",
     "select",
 ]

@@ -43,30 +43,52 @@ class Flags:
     checkpoint_every_n_steps: int | None = None
     terminate_on_nan: bool = False
     progress_bar: bool | None = None
+    # The loop's flags (docs/training-loop.md)
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float = 0.0
+    gradient_clip_algorithm: str = "norm"
+    deterministic: bool = False
+    fast_dev_run: bool | int = False
+    limit_train_batches: float | int = 1.0
+    limit_val_batches: float | int = 1.0
+    limit_test_batches: float | int = 1.0
+    check_val_every_n_epoch: int = 1
+    min_epochs: int | None = None
+    log_every_n_steps: int = 50
+    num_sanity_val_steps: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-FLAG_NAMES = tuple(f.name for f in fields(Flags))
+#: The flags that hold objects the loop calls (callbacks, loggers): the Trainer keeps them
+#: beside :class:`Flags`, which holds plain values only (a selection prints them).
+OBJECT_FLAGS = ("callbacks", "logger")
 
-#: Lightning 1.0 flags cardcage does not run yet: refused by name, never with a did-you-mean
-#: towards another flag (``logger`` is not ``log_gpu_memory``), and never ignored.
-NOT_SUPPORTED_YET = (
-    "accumulate_grad_batches",
-    "gradient_clip_val",
-    "gradient_clip_algorithm",
-    "deterministic",
-    "fast_dev_run",
-    "limit_train_batches",
-    "limit_val_batches",
-    "limit_test_batches",
-    "check_val_every_n_epoch",
-    "min_epochs",
-    "callbacks",
-    "logger",
-    "log_every_n_steps",
-    "num_sanity_val_steps",
+FLAG_NAMES = tuple(f.name for f in fields(Flags)) + OBJECT_FLAGS
+
+#: Lightning 1.0 flags cardcage does not run: refused by name, never with a did-you-mean
+#: towards another flag, and never ignored.
+NOT_SUPPORTED_YET: tuple[str, ...] = (
+    "val_check_interval",
+    "track_grad_norm",
+    "truncated_bptt_steps",
+    "auto_lr_find",
+    "auto_scale_batch_size",
+    "overfit_batches",
+    "reload_dataloaders_every_epoch",
+    "weights_summary",
+    "weights_save_path",
+    "flush_logs_every_n_steps",
+    "process_position",
+    "profiler",
+    "amp_backend",
+    "amp_level",
+    "prepare_data_per_node",
+    "plugins",
+    "checkpoint_callback",
+    "automatic_optimization",
+    "move_metrics_to_cpu",
 )
 
 #: Flags of later Lightning versions (1.5 and after); the 1.0 flags that do the same.
@@ -227,7 +249,11 @@ def validate_flags(**kwargs: Any) -> Flags:
     unknown = [k for k in kwargs if k not in FLAG_NAMES]
     if unknown:
         raise MisconfigurationError(_unknown_flag(unknown[0], kwargs[unknown[0]]))
+    kwargs = dict(kwargs)
+    check_callbacks(kwargs.pop("callbacks", None))
+    check_logger(kwargs.pop("logger", True))
     flags = Flags(**kwargs)
+    _check_loop_flags(flags)
     if flags.progress_bar is not None and not isinstance(flags.progress_bar, bool):
         raise MisconfigurationError(
             f"progress_bar={flags.progress_bar!r} is not valid: Use True, False or None (a bar "
@@ -294,6 +320,108 @@ def validate_flags(**kwargs: Any) -> Flags:
             else flags.gpus,
         }
     )
+
+
+def _number_or_fraction(name: str, value: object) -> None:
+    """``limit_*_batches``: a fraction in [0, 1] (float) or a count >= 0 (int)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MisconfigurationError(
+            f"{name}={value!r} is not valid: give a fraction of the batches (a float from 0.0 "
+            "to 1.0) or a number of batches (an int >= 0)."
+        )
+    if isinstance(value, float) and not 0.0 <= value <= 1.0:
+        raise MisconfigurationError(
+            f"{name}={value!r} is not valid: a float is a fraction of the batches and must be "
+            f"from 0.0 to 1.0; give an int ({int(value)}) for a number of batches."
+        )
+    if isinstance(value, int) and value < 0:
+        raise MisconfigurationError(
+            f"{name}={value!r} is not valid: a number of batches must be >= 0."
+        )
+
+
+def _check_loop_flags(flags: Flags) -> None:
+    """The loop's flags: types and ranges (their meanings: docs/training-loop.md)."""
+    _positive_int("accumulate_grad_batches", flags.accumulate_grad_batches)
+    _positive_int("check_val_every_n_epoch", flags.check_val_every_n_epoch)
+    _positive_int("log_every_n_steps", flags.log_every_n_steps)
+    _positive_int("min_epochs", flags.min_epochs, allow_none=True)
+    _bool("deterministic", flags.deterministic)
+    clip = flags.gradient_clip_val
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+        raise MisconfigurationError(
+            f"gradient_clip_val={clip!r} is not valid: give a number > 0 to clip the "
+            "gradients to, or 0 (the default) not to clip."
+        )
+    if flags.gradient_clip_algorithm not in ("norm", "value"):
+        raise MisconfigurationError(
+            f"gradient_clip_algorithm={flags.gradient_clip_algorithm!r} is not valid: use "
+            "'norm' (clip the total 2-norm of the gradients) or 'value' (clamp each element)."
+        )
+    fast = flags.fast_dev_run
+    if not isinstance(fast, (bool, int)) or (not isinstance(fast, bool) and fast < 0):
+        raise MisconfigurationError(
+            f"fast_dev_run={fast!r} is not valid: use True (one batch of training and of "
+            "validation), an int n >= 0 (n batches each) or False."
+        )
+    for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
+        _number_or_fraction(name, getattr(flags, name))
+    sanity = flags.num_sanity_val_steps
+    if isinstance(sanity, bool) or not isinstance(sanity, int) or sanity < -1:
+        raise MisconfigurationError(
+            f"num_sanity_val_steps={sanity!r} is not valid: give the number of validation "
+            "batches to run before training (0, the default, runs none), or -1 for all."
+        )
+    if (
+        flags.min_epochs is not None
+        and flags.max_epochs is not None
+        and flags.min_epochs > flags.max_epochs
+    ):
+        raise MisconfigurationError(
+            f"min_epochs={flags.min_epochs} is more than max_epochs={flags.max_epochs}: "
+            "training could not run both. Lower min_epochs or raise max_epochs."
+        )
+
+
+def check_callbacks(value: object) -> None:
+    """``callbacks``: None or a list of callback objects (``cardcage.Callback``)."""
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)):
+        value = [value] if _is_callback(value) else value
+        if not isinstance(value, list):
+            raise MisconfigurationError(
+                f"callbacks={value!r} is not valid: give a list of cardcage.Callback objects."
+            )
+    for i, item in enumerate(value):
+        if not _is_callback(item):
+            what = "a class, not an instance" if isinstance(item, type) else "not a Callback"
+            raise MisconfigurationError(
+                f"callbacks[{i}]={item!r} is {what}. Give instances of cardcage.Callback "
+                "subclasses (e.g. cardcage.callbacks.ModelCheckpoint(monitor='val_loss'))."
+            )
+
+
+def _is_callback(item: object) -> bool:
+    """A callback: an instance whose class has the hooks of ``cardcage.Callback`` (so a
+    Lightning callback ported by hand, which subclasses it, qualifies)."""
+    return not isinstance(item, type) and callable(getattr(item, "on_train_epoch_end", None))
+
+
+def check_logger(value: object) -> None:
+    """``logger``: True (a CSV logger under default_root_dir), False/None, a logger object,
+    a list of them, or the name of a logger a plugin registers (resolved by the Trainer)."""
+    if value is None or isinstance(value, (bool, str)):
+        return
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if not callable(getattr(item, "log_metrics", None)) or isinstance(item, type):
+            raise MisconfigurationError(
+                f"logger={value!r} is not valid: {item!r} is not a logger. Use True (a CSV "
+                "logger under default_root_dir), False, a logger object such as "
+                "cardcage.loggers.CSVLogger('logs'), a list of them, or the name of a logger "
+                "a plugin registers."
+            )
 
 
 # -- how many processes this machine can start -----------------------------------------------

@@ -29,6 +29,7 @@ from cardcage.config.variables import check_variables
 from cardcage.environments.base import ClusterEnvironment
 from cardcage.environments.builtin import LocalEnvironment, detect_cluster
 from cardcage.errors import MisconfigurationError
+from cardcage.loggers import check as check_logger_flag
 from cardcage.plugins import manager as plugins
 from cardcage.plugins import settings
 from cardcage.selection.rules import (
@@ -59,6 +60,8 @@ def select(
     checked = validate_flags(**flags)
     check_variables(environ)  # every CARDCAGE_* value but CARDCAGE_GPUS (read below)
     registry = plugins.registry(environ)
+    # a logger name must be registered (the Trainer builds it from the same registry)
+    check_logger_flag(flags.get("logger", True), checked.default_root_dir, registry)
     warnings: list[str] = []
 
     requested_as = checked.distributed_backend

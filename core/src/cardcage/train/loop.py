@@ -14,7 +14,9 @@ random state the next epoch depends on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import math
 import operator
 import warnings
@@ -36,6 +38,7 @@ from cardcage.config.model_contract import (
 )
 from cardcage.errors import MisconfigurationError
 from cardcage.train.losses import LOSS_CHUNK, Losses, stop_on_nan
+from cardcage.train.metrics import EVAL_BATCH, EVAL_EPOCH, TRAIN_BATCH, TRAIN_EPOCH
 
 if TYPE_CHECKING:
     from cardcage.config.flags import Flags
@@ -126,12 +129,13 @@ def fit_loop(trainer: Trainer, accelerator: Strategy, heart: watchdog.Heart | No
 
 
 def _step_calls(
-    accelerator: Strategy,
+    accelerator: Strategy, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
 ) -> tuple[Callable[[torch.Tensor], Any], Callable[[torch.optim.Optimizer], Any], bool]:
     """The backward and optimizer step the loop calls, and whether it calls the precision's
     ``update``. Where neither the backend nor its precision changes them (no grad scaler,
     no override), ``loss.backward()`` and ``optimizer.step()`` themselves: five Python
-    calls a step fewer, the plain loop's own."""
+    calls a step fewer, the plain loop's own. A model's own ``backward`` hook replaces
+    ``loss.backward()`` where the backend adds nothing to it."""
     precision = accelerator.precision
     kind, own = type(accelerator), type(precision)
     plain = precision.scaler is None and all(
@@ -140,10 +144,112 @@ def _step_calls(
     backward: Callable[[torch.Tensor], Any] = accelerator.backward
     if plain and kind.backward is Strategy.backward:
         backward = operator.methodcaller("backward")
+    model_backward = getattr(model, "backward", None)
+    if callable(model_backward):
+        if not (plain and kind.backward is Strategy.backward):
+            raise MisconfigurationError(
+                f"The model defines the hook backward(loss, optimizer, optimizer_idx), but the "
+                f"backend {accelerator.selection.accelerator!r} at precision="
+                f"{accelerator.selection.flags.precision!r} runs its own backward (a grad "
+                "scaler or a reduction across nodes) that the hook would skip. Remove the "
+                "hook, or train with precision=32 on another backend."
+            )
+
+        def backward(loss: torch.Tensor) -> None:
+            model_backward(loss, optimizers[0] if optimizers else None, 0)
+
     optimizer_step: Callable[[torch.optim.Optimizer], Any] = accelerator.optimizer_step
     if plain and kind.optimizer_step is Strategy.optimizer_step:
         optimizer_step = operator.methodcaller("step")
     return backward, optimizer_step, not plain
+
+
+class _Stepping:
+    """What a model's ``optimizer_step`` hook gets as its optimizer: the real one, whose
+    ``step`` goes through the backend (its precision, its engine)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[Any], Any]):
+        self._optimizer = optimizer
+        self._step = step
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            closure()
+        self._step(self._optimizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+def _model_optimizer_step(
+    trainer: Trainer, model: torch.nn.Module, step: Callable[[torch.optim.Optimizer], Any]
+) -> Callable[[torch.optim.Optimizer], Any]:
+    """``optimizer_step`` through the model's hook of that name, with Lightning 1.0's
+    arguments; its ``optimizer.step(closure=...)`` runs the backend's step."""
+    hook: Callable[..., Any] = model.optimizer_step  # type: ignore[assignment]
+    accelerator = trainer.accelerator
+    on_tpu = accelerator.device.type == "xla"
+    native_amp = accelerator.precision.scaler is not None
+    index = {id(o): i for i, o in enumerate(trainer.optimization.optimizers)}
+
+    def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+        hook(
+            trainer.current_epoch,
+            trainer.batch_idx,
+            _Stepping(optimizer, step),
+            index.get(id(optimizer), 0),
+            lambda: None,
+            on_tpu,
+            native_amp,
+            isinstance(optimizer, torch.optim.LBFGS),
+        )
+
+    return optimizer_step
+
+
+def batch_limit(value: float | int, length: int | None, flag: str) -> float:
+    """How many batches ``limit_*_batches`` lets an epoch run: a count, or a fraction of
+    ``length`` (rounded down, at least one batch when the fraction is above 0)."""
+    if isinstance(value, float):
+        if value >= 1.0:
+            return math.inf
+        if length is None:
+            raise MisconfigurationError(
+                f"{flag}={value} is a fraction of the batches, but the loader has no len(). "
+                f"Give {flag} a number of batches (an int)."
+            )
+        return max(int(length * value), 1 if value > 0 else 0)
+    return float(value)
+
+
+def _detached(output: Any) -> Any:
+    """A step's output as ``*_epoch_end`` gets it: tensors detached, a loss as ``{"loss"}``."""
+    if isinstance(output, torch.Tensor):
+        return {"loss": output.detach()}
+    if isinstance(output, dict):
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items()}
+    return output
+
+
+def write_metrics(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+    """Record ``metrics`` in ``trainer.logged_metrics``; global rank 0 hands them to the
+    logger."""
+    if not metrics:
+        return
+    trainer.logged_metrics.update(metrics)
+    logger = trainer.logger
+    if logger is not None and trainer.is_global_zero:
+        logger.log_metrics(dict(metrics), step)
+
+
+def _agreed_stop(trainer: Trainer, accelerator: Strategy) -> bool:
+    """``trainer.should_stop`` as every rank sees it: any rank asking stops them all."""
+    asked = bool(trainer.should_stop)
+    if accelerator.world_size > 1:
+        votes = accelerator.reduce(torch.tensor([float(asked)], device=accelerator.device), "sum")
+        asked = bool(float(votes.reshape(-1)[0]) > 0)
+    trainer.should_stop = asked
+    return asked
 
 
 def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | None) -> None:
@@ -153,6 +259,9 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     watched = beat is not None
     beat = beat or _still
     model = trainer.model
+    flags = trainer.flags
+    hooks = trainer.hooks
+    store = trainer.metrics
     optimization = trainer.optimization
     optimizers = optimization.optimizers
     precision = accelerator.precision
@@ -161,42 +270,86 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     step = accelerator.step_function(model, "training_step")
     to_device = accelerator.batch_to_device if accelerator.moves_batches else None
     autocast = precision.autocast
-    backward, optimizer_step, updates = _step_calls(accelerator)
+    backward, optimizer_step, updates = _step_calls(accelerator, model, optimizers)
+    if callable(getattr(model, "optimizer_step", None)):
+        optimizer_step = _model_optimizer_step(trainer, model, optimizer_step)
     bar = trainer.progress
-    max_steps = trainer.flags.max_steps or math.inf
-    max_epochs = trainer.flags.max_epochs or (math.inf if trainer.flags.max_steps else 1)
+    fast = flags.fast_dev_run
+    max_steps = flags.max_steps or math.inf
+    max_epochs = flags.max_epochs or (math.inf if flags.max_steps else 1)
+    if fast:
+        max_epochs = 1
+    min_epochs = flags.min_epochs or 1
     single = not optimization.per_optimizer_steps
+    accumulate = flags.accumulate_grad_batches
+    if accumulate > 1 and not single:
+        raise MisconfigurationError(
+            f"accumulate_grad_batches={accumulate} with several optimizers stepped one at a "
+            "time (training_step takes optimizer_idx) is not supported. Use "
+            "accumulate_grad_batches=1, or one optimizer."
+        )
+    skip_sync = accelerator.skip_gradient_sync
+    clip = float(flags.gradient_clip_val)
+    clip_algorithm = flags.gradient_clip_algorithm
+    log_every = flags.log_every_n_steps
+    step_values = store.step_values
     # schedulers stepped after optimizer steps: none, and the loop does nothing for them
     step_schedulers = optimization.step_configs()
     epoch_schedulers = optimization.epoch_configs()
-    after_backward = getattr(model, "on_after_backward", None)
-    if not callable(after_backward):
-        after_backward = None
+    after_backward = hooks.get("on_after_backward")
+    before_zero_grad = hooks.get("on_before_zero_grad")
+    batch_start_cb = hooks.get("on_batch_start")
+    batch_start = hooks.get("on_train_batch_start")
+    batch_end_cb = hooks.get("on_batch_end")
+    batch_end = hooks.get("on_train_batch_end")
+    step_end = getattr(model, "training_step_end", None)
+    if not callable(step_end) or getattr(step, "calls_step_end", False):
+        step_end = None
+    epoch_end = getattr(model, "training_epoch_end", None)
+    outputs: list[Any] = []
+    collect = callable(epoch_end)
+    # a step that runs no hook, no accumulation and no clipping: the plain loop's step
+    hooked = any(
+        h is not None
+        for h in (before_zero_grad, batch_start_cb, batch_start, batch_end_cb, batch_end, step_end)
+    )
+    hooked = hooked or collect or accumulate > 1 or clip > 0
     skip, resume_rng, rng_after_fetch = trainer.resume_position()
-    every = restarts.steps_between_checkpoints(trainer.flags)
+    every = restarts.steps_between_checkpoints(flags)
     # NaN or infinite losses: terminate_on_nan checks each step (one sync a step); otherwise
     # each chunk of LOSS_CHUNK losses is checked once, until the first warning.
-    stop = (
-        functools.partial(stop_on_nan, trainer, accelerator)
-        if trainer.flags.terminate_on_nan
-        else None
-    )
+    stop = functools.partial(stop_on_nan, trainer, accelerator) if flags.terminate_on_nan else None
     tracked = Losses(trainer, watch_nan=stop is None, device=accelerator.device)
     keep = tracked.keep
     empty_warned = False
+    length = _length(loader)
+    limit = batch_limit(
+        fast if fast and fast is not True else 1 if fast else flags.limit_train_batches,
+        length,
+        "limit_train_batches",
+    )
+    epoch_length = (
+        length if limit == math.inf else min(limit, length if length is not None else math.inf)
+    )
 
+    _start(trainer, accelerator, val_loaders, beat)
     epoch = trainer.current_epoch
     while epoch < max_epochs and trainer.global_step < max_steps:
         trainer.current_epoch = epoch
+        trainer.validated_this_epoch = False
         accelerator.on_epoch_start(epoch, loader)
         if not skip:
             trainer.epoch_rng = rng_state()
         model.train()
+        hooks("on_epoch_start")
+        hooks("on_train_epoch_start")
+        store.place = TRAIN_BATCH
         # the bar is called every ``bar_due`` steps (progress.py): an integer test a step
         bar_due, unshown = bar.start_epoch(epoch, _length(loader)), 0
         pending = tracked.pending  # close_chunk empties it in place
         trainer.in_epoch = True
         batch_idx = -1  # stays -1 when the loader yields nothing
+        micro = 0  # micro-batches accumulated since the last optimizer step
         for batch_idx, batch in enumerate(loader):
             if tracked.unread:  # the step that closed a chunk has run: read it now
                 tracked.read_chunks()
@@ -206,14 +359,58 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
                     set_rng_state(resume_rng)
                     resume_rng = None
                 continue
+            if batch_idx >= limit:
+                break
             if resume_rng is not None:  # saved inside training_step, after its batch was drawn
                 set_rng_state(resume_rng)
                 resume_rng = None
             if to_device is not None:
                 batch = to_device(batch)
+            store.batch = batch
             if watched:
                 beat()
-            if single:
+            if hooked:
+                output, loss, stepped = _hooked_step(
+                    trainer,
+                    accelerator,
+                    step,
+                    batch,
+                    batch_idx,
+                    micro,
+                    epoch_length,
+                    backward,
+                    optimizer_step,
+                    stop,
+                    beat,
+                    watched,
+                    before_zero_grad,
+                    batch_start_cb,
+                    batch_start,
+                    step_end,
+                    after_backward,
+                    skip_sync,
+                    accumulate,
+                    clip,
+                    clip_algorithm,
+                )
+                if output is _END_EPOCH:
+                    break
+                if collect:
+                    outputs.append(_detached(output))
+                if not stepped:
+                    micro += 1
+                    kept = keep(loss)
+                    pending.append(kept)
+                    if len(pending) == LOSS_CHUNK:
+                        tracked.close_chunk(trainer.global_step, batch_idx)
+                    trainer.batch_idx = batch_idx + 1
+                    if batch_end_cb is not None:
+                        batch_end_cb()
+                    if batch_end is not None:
+                        batch_end(output, batch, batch_idx, 0)
+                    continue
+                micro = 0
+            elif single:
                 for optimizer in optimizers:
                     optimizer.zero_grad()
                 if autocast is None:
@@ -236,8 +433,18 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
                 for optimizer in optimizers:
                     optimizer_step(optimizer)
             else:
-                loss = _per_optimizer_step(
-                    step, batch, batch_idx, optimizers, accelerator, after_backward, beat, stop
+                loss = output = _per_optimizer_step(
+                    step,
+                    batch,
+                    batch_idx,
+                    optimizers,
+                    accelerator,
+                    after_backward,
+                    beat,
+                    stop,
+                    clip,
+                    clip_algorithm,
+                    before_zero_grad,
                 )
             if watched:
                 beat()
@@ -251,6 +458,17 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
             trainer.batch_idx = batch_idx + 1
             if step_schedulers:
                 step_due(trainer, step_schedulers, trainer.global_step, loss, accelerator)
+            if step_values and trainer.global_step % log_every == 0:
+                write_metrics(
+                    trainer,
+                    {**store.take_step_values(), "epoch": float(epoch)},
+                    trainer.global_step - 1,
+                )
+            if hooked:
+                if batch_end_cb is not None:
+                    batch_end_cb()
+                if batch_end is not None:
+                    batch_end(output, batch, batch_idx, 0)
             unshown += 1
             if unshown >= bar_due:
                 bar_due, unshown = bar.step(kept, batch, unshown), 0
@@ -261,22 +479,171 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
             if trainer.global_step == trainer.stop_at_step:  # a requeue signal (requeue.py)
                 trainer.at_stop_step()  # checkpoints and raises Requeued, or returns
         trainer.in_epoch = False
+        store.batch = None
         if unshown:  # the steps since the bar's last call
             bar.step(kept, batch, unshown)
-        epoch_done = trainer.global_step < max_steps or trainer.batch_idx == _length(loader)
+        epoch_done = trainer.global_step < max_steps or trainer.batch_idx == epoch_length
         tracked.close_chunk(trainer.global_step - 1, trainer.batch_idx - 1)
         if batch_idx < 0 and not empty_warned:
             _no_batch(trainer, loader, epoch)
             empty_warned = True
         accelerator.on_epoch_end(trainer)
         trainer.record_losses(tracked.epoch())
-        if epoch_done:
-            trainer.current_epoch, trainer.batch_idx = epoch + 1, 0
-        metrics = run_validation(trainer, accelerator, val_loaders, beat) if val_loaders else {}
+        store.place = TRAIN_EPOCH
+        if collect:
+            returned = epoch_end(outputs)  # type: ignore[misc]
+            if returned is not None:
+                raise MisconfigurationError(
+                    "training_epoch_end returned a value; it must return None (log what it "
+                    "computes with self.log)."
+                )
+        last_step = max(trainer.global_step - 1, 0)
+        logged = store.close_epoch()
+        if step_values:  # what the last steps logged since the last write
+            logged = {**store.take_step_values(), **logged}
+        if logged:
+            write_metrics(trainer, {**logged, "epoch": float(epoch)}, last_step)
+        # until the next epoch starts, a checkpoint resumes at the next epoch (loop_state)
+        trainer.epoch_finished = epoch_done
+        metrics: dict[str, float] = {}
+        if val_loaders and (epoch + 1) % flags.check_val_every_n_epoch == 0:
+            metrics = run_validation(trainer, accelerator, val_loaders, beat)
+        hooks("on_train_epoch_end", outputs)
+        hooks("on_epoch_end")
+        outputs = []
         if epoch_done and epoch_schedulers:  # after validation: a monitor sees this epoch's
             step_due(trainer, epoch_schedulers, epoch + 1)
+        logger = trainer.logger
+        if logger is not None and trainer.is_global_zero:
+            logger.save()
         bar.end_epoch(metrics)
+        stop_now = _agreed_stop(trainer, accelerator)
+        if epoch_done:
+            trainer.current_epoch, trainer.batch_idx = epoch + 1, 0
+        trainer.epoch_finished = False
         epoch += 1
+        if stop_now and epoch >= min_epochs:
+            break
+    store.place = None
+    hooks("on_train_end")
+    _finish(trainer)
+
+
+_END_EPOCH = object()
+
+
+def _hooked_step(
+    trainer: Trainer,
+    accelerator: Strategy,
+    step: Callable[..., Any],
+    batch: Any,
+    batch_idx: int,
+    micro: int,
+    epoch_length: float | int | None,
+    backward: Callable[[torch.Tensor], Any],
+    optimizer_step: Callable[[torch.optim.Optimizer], Any],
+    stop: Callable[[torch.Tensor, int], None] | None,
+    beat: Callable[[], None],
+    watched: bool,
+    before_zero_grad: Callable[..., Any] | None,
+    batch_start_cb: Callable[..., Any] | None,
+    batch_start: Callable[..., Any] | None,
+    step_end: Callable[..., Any] | None,
+    after_backward: Callable[..., Any] | None,
+    skip_sync: Callable[[], Any],
+    accumulate: int,
+    clip: float,
+    clip_algorithm: str,
+) -> tuple[Any, torch.Tensor, bool]:
+    """One batch with hooks, accumulation or clipping: ``(output, loss, stepped)``, where
+    ``stepped`` says whether the optimizers stepped (the last micro-batch of ``accumulate``,
+    or the epoch's last batch). ``output`` is ``_END_EPOCH`` when a batch-start hook
+    returned -1 (Lightning 1.0: the epoch ends there)."""
+    precision = accelerator.precision
+    optimizers = trainer.optimization.optimizers
+    if batch_start_cb is not None:
+        batch_start_cb()
+    if batch_start is not None and batch_start(batch, batch_idx, 0) == -1:
+        return _END_EPOCH, torch.zeros(()), False
+    final = (
+        accumulate == 1
+        or (micro + 1) % accumulate == 0
+        or (epoch_length is not None and batch_idx + 1 >= epoch_length)
+    )
+    if micro == 0:
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+    context = skip_sync() if not final else contextlib.nullcontext()
+    with context:
+        if precision.autocast is None:
+            output = step(batch, batch_idx)
+        else:
+            with precision.autocast():
+                output = step(batch, batch_idx)
+        if watched:
+            beat()
+        if step_end is not None:
+            output = step_end(output)
+        loss = extract_loss(output)
+        if stop is not None:
+            stop(loss, batch_idx)
+        backward(loss / accumulate if accumulate > 1 else loss)
+    if not final:
+        return output, loss.detach(), False
+    if after_backward is not None or clip > 0:
+        precision.unscale(optimizers)
+    if after_backward is not None:
+        after_backward()
+    if clip > 0:
+        for optimizer in optimizers:
+            accelerator.clip_gradients(optimizer, clip, clip_algorithm)
+    for optimizer in optimizers:
+        optimizer_step(optimizer)
+    if before_zero_grad is not None:  # Lightning 1.0: after the step, before zero_grad
+        for optimizer in optimizers:
+            before_zero_grad(optimizer)
+            optimizer.zero_grad()
+    return output, loss, True
+
+
+def _start(
+    trainer: Trainer, accelerator: Strategy, val_loaders: list[Any], beat: Callable[[], None]
+) -> None:
+    """Before the first epoch: the hyperparameters to the logger, ``on_fit_start``, the
+    sanity check (``num_sanity_val_steps``), ``on_train_start``."""
+    hooks = trainer.hooks
+    logger = trainer.logger
+    if logger is not None and trainer.is_global_zero:
+        hparams = getattr(trainer.lightning_module, "hparams", None)
+        if hparams:
+            logger.log_hyperparams(
+                dict(vars(hparams)) if not isinstance(hparams, dict) else dict(hparams)
+            )
+    hooks("setup", "fit")
+    hooks("on_fit_start")
+    hooks("on_pretrain_routine_start")
+    hooks("on_pretrain_routine_end")
+    sanity = trainer.flags.num_sanity_val_steps
+    if sanity and val_loaders and not trainer.flags.fast_dev_run and trainer.global_step == 0:
+        trainer.sanity_checking = True
+        hooks("on_sanity_check_start")
+        try:
+            run_validation(
+                trainer, accelerator, val_loaders, beat, limit=math.inf if sanity < 0 else sanity
+            )
+        finally:
+            trainer.sanity_checking = False
+        hooks("on_sanity_check_end")
+    hooks("on_train_start")
+
+
+def _finish(trainer: Trainer) -> None:
+    """After the last epoch: the logger's ``finalize`` on rank 0, ``on_fit_end``."""
+    logger = trainer.logger
+    if logger is not None and trainer.is_global_zero:
+        logger.finalize("success")
+    trainer.hooks("on_fit_end")
+    trainer.hooks("teardown", "fit")
 
 
 def step_due(
@@ -333,6 +700,9 @@ def _per_optimizer_step(
     after_backward: Any = None,
     beat: Callable[[], None] = _still,
     stop: Callable[[torch.Tensor, int], None] | None = None,
+    clip: float = 0.0,
+    clip_algorithm: str = "norm",
+    before_zero_grad: Callable[..., Any] | None = None,
 ) -> torch.Tensor:
     """Lightning 1.0's multi-optimizer contract: one step per optimizer, ``optimizer_idx``."""
     precision = accelerator.precision
@@ -349,11 +719,38 @@ def _per_optimizer_step(
         if stop is not None:  # terminate_on_nan
             stop(loss, batch_idx)
         accelerator.backward(loss)
-        if after_backward is not None:
+        if after_backward is not None or clip > 0:
             precision.unscale([optimizer])
+        if after_backward is not None:
             after_backward()
+        if clip > 0:
+            accelerator.clip_gradients(optimizer, clip, clip_algorithm)
         accelerator.optimizer_step(optimizer)
+        if before_zero_grad is not None:  # Lightning 1.0: after the step, before zero_grad
+            before_zero_grad(optimizer)
+            optimizer.zero_grad()
     return loss
+
+
+def _positional_count(function: Any) -> int:
+    """How many positional arguments ``function`` takes (a ``*args``: many)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    kinds = [p.kind for p in parameters]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return 1 << 16
+    return sum(
+        k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for k in kinds
+    )
+
+
+_STAGES = {
+    "validation_step": ("validation", "on_validation"),
+    "test_step": ("test", "on_test"),
+}
 
 
 def evaluate(
@@ -363,36 +760,78 @@ def evaluate(
     step_name: str,
     prefix: str,
     beat: Callable[[], None] = _still,
+    limit: float | None = None,
 ) -> dict[str, float]:
-    """Run ``step_name`` over ``loaders`` without gradients; return the mean metrics.
+    """Run ``step_name`` over ``loaders`` without gradients, with its hooks; return the mean
+    metrics (what the step returned, and what it logged).
 
     Runs under ``fork_rng`` so that evaluating changes no random state training uses.
+    ``limit``: batches per loader (``limit_val_batches`` / ``limit_test_batches`` unless
+    given: the sanity check's count).
     """
     model = trainer.model
+    hooks = trainer.hooks
+    store = trainer.metrics
+    stage, on = _STAGES.get(step_name, (step_name.removesuffix("_step"), "on_" + prefix))
     step = accelerator.step_function(model, step_name)
+    step_end = getattr(model, f"{stage}_step_end", None)
+    if not callable(step_end) or getattr(step, "calls_step_end", False):
+        step_end = None
+    epoch_end = getattr(model, f"{stage}_epoch_end", None)
+    batch_start = hooks.get(f"{on}_batch_start")
+    batch_end = hooks.get(f"{on}_batch_end")
     to_device = accelerator.batch_to_device if accelerator.moves_batches else None
     autocast = accelerator.precision.autocast
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    outputs: list[tuple[dict[str, torch.Tensor], int]] = []
+    flags = trainer.flags
+    if limit is None:
+        fast = flags.fast_dev_run
+        limit_flag = f"limit_{'val' if prefix == 'val' else prefix}_batches"
+        wanted = (1 if fast is True else fast) if fast else getattr(flags, limit_flag, 1.0)
+    loaders = list(loaders)
+    takes_loader_index = _positional_count(getattr(model, step_name, None)) >= 3
+    sizes: list[tuple[dict[str, torch.Tensor], int]] = []
+    outputs: list[list[Any]] = [[] for _ in loaders]
     was_training = model.training
+    hooks(f"{on}_start")
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         model.eval()
-        for loader in loaders:
+        hooks(f"{on}_epoch_start")
+        store.place = EVAL_BATCH
+        for index, loader in enumerate(loaders):
+            most = limit if limit is not None else batch_limit(wanted, _length(loader), limit_flag)
+            extra = (index,) if len(loaders) > 1 and takes_loader_index else ()
             for batch_idx, batch in enumerate(loader):
+                if batch_idx >= most:
+                    break
                 beat()
                 size = batch_size(batch)
                 if to_device is not None:
                     batch = to_device(batch)
+                store.batch = batch
+                if batch_start is not None:
+                    batch_start(batch, batch_idx, index)
                 if autocast is None:
-                    output = step(batch, batch_idx)
+                    output = step(batch, batch_idx, *extra)
                 else:
                     with autocast():
-                        output = step(batch, batch_idx)
-                outputs.append((metrics_of(output, prefix), size))
+                        output = step(batch, batch_idx, *extra)
+                if step_end is not None:
+                    output = step_end(output)
+                if batch_end is not None:
+                    batch_end(output, batch, batch_idx, index)
+                if callable(epoch_end):
+                    outputs[index].append(output)
+                sizes.append((metrics_of(output, prefix), size))
+        store.batch = None
+        store.place = EVAL_EPOCH
+        returned = None
+        if callable(epoch_end):
+            returned = epoch_end(outputs[0] if len(loaders) == 1 else outputs)
     model.train(was_training)
     # A mean weighted by batch size, over every rank: each rank's sums of value x size and
     # of sizes, added up in one collective, then divided.
-    sums = weighted_sums(outputs)
+    sums = weighted_sums(sizes)
     keys = sorted(sums)
     exact = torch.float64 if accelerator.device.type in ("cpu", "cuda") else torch.float32
     local = torch.tensor(
@@ -403,13 +842,43 @@ def evaluate(
         key: total[2 * i] / total[2 * i + 1] if total[2 * i + 1] else math.nan
         for i, key in enumerate(keys)
     }
-    trainer.logged_metrics.update(reduced)
+    if isinstance(returned, dict):  # Lightning 1.0's dict from *_epoch_end: its scalars
+        reduced.update(
+            {
+                str(k): float(v)
+                for k, v in returned.items()
+                if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+            }
+        )
+    reduced.update(store.close_epoch())
+    store.place = None
+    if trainer.sanity_checking:
+        hooks(f"{on}_epoch_end")
+        hooks(f"{on}_end")
+        return {}
+    trainer.callback_metrics.update({k: torch.tensor(v) for k, v in reduced.items()})
+    if reduced:
+        at = max(trainer.global_step - 1, 0)
+        write_metrics(trainer, {**reduced, "epoch": float(trainer.current_epoch)}, at)
+    hooks(f"{on}_epoch_end")
+    hooks(f"{on}_end")
     return reduced
 
 
 def run_validation(
-    trainer: Trainer, accelerator: Strategy, loaders: list[Any], beat: Callable[[], None] = _still
+    trainer: Trainer,
+    accelerator: Strategy,
+    loaders: list[Any],
+    beat: Callable[[], None] = _still,
+    limit: float | None = None,
 ) -> dict[str, float]:
     if not callable(getattr(trainer.model, "validation_step", None)):
         return {}
-    return evaluate(trainer, accelerator, loaders, "validation_step", "val", beat)
+    place = trainer.metrics.place
+    try:
+        metrics = evaluate(trainer, accelerator, loaders, "validation_step", "val", beat, limit)
+    finally:
+        trainer.metrics.place = place
+    if not trainer.sanity_checking:
+        trainer.validated_this_epoch = True
+    return metrics

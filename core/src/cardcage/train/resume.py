@@ -96,6 +96,7 @@ def restore(trainer: Trainer, strategy: Strategy, state: dict[str, Any]) -> None
     for scheduler, saved in zip(trainer.optimization.schedulers, state["schedulers"], strict=False):
         scheduler.load_state_dict(saved)
     strategy.precision.load_state_dict(state["scaler"])
+    trainer.load_callback_states(state.get("callbacks"))
     trainer.current_epoch = int(state["epoch"])
     trainer.global_step = int(state["global_step"])
     trainer.batch_idx = int(state["batch_idx"])

@@ -22,15 +22,20 @@ from cardcage.backend.launch.restarts import this_run
 from cardcage.backend.launch.watchdog import attach as attach_heart
 from cardcage.backend.selection_types import Selection
 from cardcage.backend.strategy.strategy import Strategy
+from cardcage.callbacks import EarlyStopping, ModelCheckpoint
 from cardcage.checkpoints import io as checkpoint
 from cardcage.checkpoints import validation
 from cardcage.checkpoints.validation import OPTIMIZER_TYPES
 from cardcage.config.model_contract import Optimization, check_model, configure_optimizers
 from cardcage.errors import MisconfigurationError
+from cardcage.loggers import resolve as resolve_logger
 from cardcage.plugins import manager as plugins
 from cardcage.selection.engine import probe_pending_gpus, select
 from cardcage.train import loop, predicting, requeue, stop_step
 from cardcage.train import resume as resuming
+from cardcage.train.hooks import Hooks, warn_near_misses
+from cardcage.train.metrics import MetricStore
+from cardcage.train.module import TRAINER_ATTRIBUTE
 from cardcage.train.process_state import as_found
 from cardcage.train.progress import ProgressBar
 
@@ -75,6 +80,20 @@ class Trainer:
         checkpoint_every_n_steps: int | None = None,
         terminate_on_nan: bool = False,
         progress_bar: bool | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float = 0.0,
+        gradient_clip_algorithm: str = "norm",
+        deterministic: bool = False,
+        fast_dev_run: bool | int = False,
+        limit_train_batches: float | int = 1.0,
+        limit_val_batches: float | int = 1.0,
+        limit_test_batches: float | int = 1.0,
+        check_val_every_n_epoch: int = 1,
+        min_epochs: int | None = None,
+        log_every_n_steps: int = 50,
+        num_sanity_val_steps: int = 0,
+        callbacks: Any = None,
+        logger: Any = True,
         **unknown: Any,
     ):
         # Every check is select's (cardcage.config.flags and the selection engine), so that
@@ -100,6 +119,20 @@ class Trainer:
                 checkpoint_every_n_steps=checkpoint_every_n_steps,
                 terminate_on_nan=terminate_on_nan,
                 progress_bar=progress_bar,
+                accumulate_grad_batches=accumulate_grad_batches,
+                gradient_clip_val=gradient_clip_val,
+                gradient_clip_algorithm=gradient_clip_algorithm,
+                deterministic=deterministic,
+                fast_dev_run=fast_dev_run,
+                limit_train_batches=limit_train_batches,
+                limit_val_batches=limit_val_batches,
+                limit_test_batches=limit_test_batches,
+                check_val_every_n_epoch=check_val_every_n_epoch,
+                min_epochs=min_epochs,
+                log_every_n_steps=log_every_n_steps,
+                num_sanity_val_steps=num_sanity_val_steps,
+                callbacks=callbacks,
+                logger=logger,
                 **unknown,
             )
         self.flags = self.selection.flags
@@ -119,6 +152,42 @@ class Trainer:
         self.epoch_rng: dict[str, Any] | None = None
         self.in_epoch = False  # inside an epoch's batches (a save from training_step)
         self.logged_metrics: dict[str, float] = {}
+        #: The callbacks, in the order given (docs/training-loop.md, "Callbacks").
+        self.callbacks: list[Any] = (
+            []
+            if callbacks is None
+            else list(callbacks)
+            if isinstance(callbacks, (list, tuple))
+            else [callbacks]
+        )
+        for callback in self.callbacks:
+            if callable(getattr(callback, "on_keyboard_interrupt", None)):
+                raise MisconfigurationError(
+                    f"callbacks: {type(callback).__name__} defines on_keyboard_interrupt, "
+                    "which cardcage never calls (an interrupted fit stops every rank and "
+                    "raises KeyboardInterrupt in the caller). Remove the hook, or catch "
+                    "KeyboardInterrupt around trainer.fit."
+                )
+            init_end = getattr(callback, "on_init_end", None)
+            if callable(getattr(callback, "on_init_start", None)):
+                callback.on_init_start(self)
+            if callable(init_end):
+                init_end(self)
+        #: The logger (or loggers) global rank 0 writes to; None writes nothing.
+        self.logger: Any = (
+            None
+            if self.flags.fast_dev_run
+            else resolve_logger(logger, self.flags.default_root_dir, registry)
+        )
+        #: What self.log recorded (cardcage.train.metrics); set up again in each training process.
+        self.metrics = MetricStore()
+        self.hooks = Hooks(self, self.model, self.callbacks)
+        #: A request to stop after this epoch, agreed by every rank (docs/training-loop.md).
+        self.should_stop = False
+        #: Whether validation ran in the current training epoch.
+        self.validated_this_epoch = False
+        #: The current epoch's batches are done (its validation and end hooks may be running).
+        self.epoch_finished = False
         self.losses: list[float] = []
         self._resume: dict[str, Any] | None = None
         #: The step the loop stops at for a requeue (cardcage.train.requeue); never reached: -1.
@@ -139,6 +208,57 @@ class Trainer:
 
     # -- public API -------------------------------------------------------------------------
 
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """The latest value of every metric: logged step values, epoch means, validation
+        means (0-dim tensors)."""
+        return self.metrics.callback_metrics
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """The latest values logged with ``prog_bar=True``."""
+        return {k: float(v) for k, v in self.metrics.bar_values.items()}
+
+    @property
+    def sanity_checking(self) -> bool:
+        """Whether the sanity check (``num_sanity_val_steps``) is running."""
+        return self.metrics.sanity_checking
+
+    @sanity_checking.setter
+    def sanity_checking(self, value: bool) -> None:
+        self.metrics.sanity_checking = value
+
+    @property
+    def global_rank(self) -> int:
+        return self.accelerator.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.accelerator.global_rank == 0
+
+    @property
+    def default_root_dir(self) -> str | None:
+        return self.flags.default_root_dir
+
+    @property
+    def lightning_module(self) -> torch.nn.Module:
+        """The user's model, without a backend's wrapper."""
+        return self.accelerator.unwrapped_model(self)
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The first :class:`~cardcage.callbacks.ModelCheckpoint` among the callbacks, or None."""
+        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        """The first :class:`~cardcage.callbacks.EarlyStopping` among the callbacks, or None."""
+        return next((c for c in self.callbacks if isinstance(c, EarlyStopping)), None)
+
     def fit(
         self,
         model: torch.nn.Module,
@@ -147,6 +267,7 @@ class Trainer:
     ) -> Any:
         """Train ``model``; afterwards it holds the trained weights of rank 0."""
         check_model(model)
+        warn_near_misses(model)
         if train_dataloader is None:
             if not callable(getattr(model, "train_dataloader", None)):
                 raise MisconfigurationError(
@@ -160,6 +281,10 @@ class Trainer:
         self.model = model
         self.train_dataloader = train_dataloader
         self.val_dataloaders = _loaders(val_dataloaders)
+        self.should_stop = False
+        if self.logger is not None:
+            # a version picked here, before any rank starts, is the one every copy holds
+            _ = self.logger.version
         with as_found(self):  # the process as it was, after a fit that returns or fails
             # before any process, port or CUDA context
             self._checked = resuming.check(self, self.accelerator, model)
@@ -231,6 +356,7 @@ class Trainer:
         self._handed_back = None  # this process trains: its own state is the one to save
         self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
         self._prepared = True
+        self.start_metrics()
         self.optimization = configure_optimizers(self.model)
         self.accelerator.setup_optimizers(self)
         self.progress = ProgressBar(
@@ -243,12 +369,54 @@ class Trainer:
         if self._requeue is not None:
             self._requeue.start(self)
 
+    def start_metrics(self) -> None:
+        """This process's metric store and hooks, once the backend placed the model."""
+        accelerator = self.accelerator
+        self.metrics = MetricStore(reduce=accelerator.reduce, world_size=accelerator.world_size)
+        self.hooks = Hooks(self, self.model, self.callbacks)
+        self.model.__dict__[TRAINER_ATTRIBUTE] = self  # the model's self.log, self.trainer
+        user = accelerator.unwrapped_model(self)
+        if user is not self.model:
+            user.__dict__[TRAINER_ATTRIBUTE] = self
+
+    def callback_states(self) -> dict[str, Any]:
+        """Each callback's ``on_save_checkpoint`` state, under its ``state_key`` (``#i``
+        added for a repeated key)."""
+        states: dict[str, Any] = {}
+        for key, callback in self._keyed_callbacks():
+            save = getattr(callback, "on_save_checkpoint", None)
+            state = save(self, self.lightning_module) if callable(save) else None
+            if state is not None:
+                states[key] = state
+        return states
+
+    def load_callback_states(self, states: dict[str, Any] | None) -> None:
+        """Give each callback its state from a checkpoint (``on_load_checkpoint``)."""
+        for key, callback in self._keyed_callbacks():
+            load = getattr(callback, "on_load_checkpoint", None)
+            if states and key in states and callable(load):
+                load(states[key])
+
+    def _keyed_callbacks(self) -> list[tuple[str, Any]]:
+        seen: dict[str, int] = {}
+        keyed = []
+        for callback in self.callbacks:
+            key = getattr(callback, "state_key", None) or type(callback).__qualname__
+            count = seen.get(key, 0)
+            seen[key] = count + 1
+            keyed.append((key if not count else f"{key}#{count}", callback))
+        return keyed
+
     def run_fit_loop(self) -> Any:
         """Train in this process: set it up, run the loop, tear it down (also after a
         failure). Launchers call it once in every training process."""
         hooks = self._hooks()
         if self.flags.benchmark:  # in every training process (as_found restores the caller)
             torch.backends.cudnn.benchmark = True
+        if self.flags.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
         heart = attach_heart()  # before setup: a rank stuck there shows its pid and stack
         try:
             self.prepare()
@@ -259,6 +427,8 @@ class Trainer:
                 self._requeue = None
             self.in_epoch = False
             self.progress.end_epoch()
+            for model in (self.model, self.accelerator.unwrapped_model(self)):
+                model.__dict__.pop(TRAINER_ATTRIBUTE, None)
             try:
                 hooks.cardcage_teardown_process(trainer=self, accelerator=self.accelerator)
             finally:
@@ -311,6 +481,7 @@ class Trainer:
         """What a checkpoint holds besides the model and the optimizers (which the backend's
         ``gather_state`` supplies): the format, the schedulers, the grad scaler, the loop's
         position and the random states."""
+        finished = self.epoch_finished  # the epoch's batches are done: resume at the next
         return {
             "format": validation.FORMAT,
             "cardcage_version": __version__,
@@ -318,13 +489,16 @@ class Trainer:
             OPTIMIZER_TYPES: [type(o).__name__ for o in self.optimization.optimizers],
             "schedulers": [s.state_dict() for s in self.optimization.schedulers],
             "scaler": self.accelerator.precision.state_dict(),
-            "epoch": self.current_epoch,
+            "epoch": self.current_epoch + 1 if finished else self.current_epoch,
             "global_step": self.global_step,
-            "batch_idx": self.batch_idx,
+            "batch_idx": 0 if finished else self.batch_idx,
             "rng": checkpoint.rng_state(),
-            "epoch_rng": self.epoch_rng if self.batch_idx or self.in_epoch else None,
+            "epoch_rng": self.epoch_rng
+            if not finished and (self.batch_idx or self.in_epoch)
+            else None,
             "rng_after_fetch": self.in_epoch,
             "run": self.run.record() if self.run is not None else None,
+            "callbacks": self.callback_states(),
         }
 
     # -- moving between processes (ddp_spawn) -----------------------------------------------
@@ -337,6 +511,8 @@ class Trainer:
         # Workers read the checkpoint themselves; this process will not: let go of it.
         state["_checked"] = self._checked = None
         state["progress"] = ProgressBar(False)
+        state["metrics"] = MetricStore()  # each worker starts its own (start_metrics)
+        state["hooks"] = None
         state["caller_rng"] = checkpoint.rng_state()  # workers draw as the script would
         selection = dataclasses.replace(self.selection, environment=None)
         state["selection"] = selection
@@ -365,6 +541,8 @@ class Trainer:
         return {
             "checkpoint": state,
             "logged_metrics": dict(self.logged_metrics),
+            "callback_metrics": {k: float(v) for k, v in self.callback_metrics.items()},
+            "logger": self.logger if self.is_global_zero else None,
             "losses": list(self.losses),
         }
 
@@ -374,6 +552,13 @@ class Trainer:
         state = dict(result["checkpoint"])
         self.model.load_state_dict(state.pop("state_dict"))
         self.logged_metrics = dict(result["logged_metrics"])
+        self.metrics.callback_metrics.update(
+            {k: torch.tensor(v) for k, v in result.get("callback_metrics", {}).items()}
+        )
+        self.load_callback_states(state.get("callbacks"))
+        written = result.get("logger")
+        if written is not None and type(written) is type(self.logger):
+            self.logger.__dict__.update(written.__dict__)  # the rows rank 0 wrote
         self.losses = list(result["losses"])
         self.global_step = int(state["global_step"])
         self.current_epoch = int(state["epoch"])
@@ -409,8 +594,13 @@ class Trainer:
             # the CPU, with the weights they handed back.
             alone = Strategy(dataclasses.replace(self.selection, world_size=1, global_rank=0))
             alone.setup_process(self)
+            self.metrics = MetricStore()
+            self.hooks = Hooks(self, self.model, self.callbacks)
             return loop.evaluate(self, alone, loaders, step, prefix)
         if not self._prepared:
             self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
             self._prepared = True
+            self.start_metrics()
+        if self.hooks is None:
+            self.start_metrics()
         return loop.evaluate(self, self.accelerator, loaders, step, prefix)

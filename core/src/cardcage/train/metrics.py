@@ -1,0 +1,180 @@
+"""What ``self.log`` records, and where it goes: ``trainer.callback_metrics`` (the latest
+values, tensors), ``trainer.logged_metrics`` (floats, as the logger got them) and the logger.
+
+Values stay tensors until they are written: a step's value is read (``float``) only every
+``log_every_n_steps`` steps, so logging adds no host-device sync to the other steps. Epoch
+values are means weighted by batch size (each step adds ``value x size`` and ``size``), reduced
+across ranks in one collective when logged with ``sync_dist=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cardcage.config.model_contract import batch_size as size_of_batch
+from cardcage.errors import MisconfigurationError
+
+#: The hooks' logging defaults: ``(on_step, on_epoch)``.
+STEP_DEFAULTS = (True, False)
+EPOCH_DEFAULTS = (False, True)
+#: Where ``self.log`` is called from, as the loop sets it: training batches log per step by
+#: default; validation and test batches and every epoch-level hook per epoch.
+TRAIN_BATCH, TRAIN_EPOCH, EVAL_BATCH, EVAL_EPOCH = "train batch", "train epoch", "eval", "eval end"
+_REDUCE_FX = ("mean", torch.mean)
+
+
+@dataclass
+class _EpochValue:
+    total: torch.Tensor  # sum of value x batch size
+    size: torch.Tensor  # sum of batch sizes
+    sync_dist: bool
+    logger: bool
+    prog_bar: bool
+    forked: bool  # logged on_step too: the epoch value is written as <name>_epoch
+
+
+@dataclass
+class MetricStore:
+    """The metrics of one training process. The loop sets ``place`` (where ``self.log`` is
+    called from), ``batch`` (the batch a step trains on: its size weighs epoch means) and
+    ``sanity_checking``."""
+
+    place: str | None = None
+    batch: Any = None
+    sanity_checking: bool = False
+    #: The latest values, 0-dim tensors (``trainer.callback_metrics``).
+    callback_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Step values logged since the last write, for the logger.
+    step_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: ``prog_bar=True`` values, latest.
+    bar_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    _epoch: dict[str, _EpochValue] = field(default_factory=dict)
+    _steps_sync: dict[str, bool] = field(default_factory=dict)
+    reduce: Any = None  # the backend's reduce, set by the loop (several ranks)
+    world_size: int = 1
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        if self.sanity_checking:  # Lightning 1.0 records nothing from the sanity check
+            return
+        place = self.place
+        if place is None:
+            raise MisconfigurationError(
+                f"self.log({name!r}, ...) was called outside the training, validation and test "
+                "hooks, where no step or epoch owns the value. Log from a step or an epoch hook."
+            )
+        if not any(reduce_fx is known for known in _REDUCE_FX) and reduce_fx != "mean":
+            raise MisconfigurationError(
+                f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): only the mean (the default, "
+                "weighted by batch size) is supported. Leave reduce_fx out."
+            )
+        epoch_level = place in (TRAIN_EPOCH, EVAL_EPOCH)
+        default_step, default_epoch = STEP_DEFAULTS if place == TRAIN_BATCH else EPOCH_DEFAULTS
+        on_step = default_step if on_step is None else on_step
+        on_epoch = default_epoch if on_epoch is None else on_epoch
+        if epoch_level and on_step:
+            raise MisconfigurationError(
+                f"self.log({name!r}, ..., on_step=True) in an epoch-end hook: there is no step "
+                "there. Leave on_step out (epoch hooks log on_epoch=True)."
+            )
+        if not (on_step or on_epoch):
+            raise MisconfigurationError(
+                f"self.log({name!r}, ..., on_step=False, on_epoch=False) records nothing. Set "
+                "on_step=True or on_epoch=True."
+            )
+        tensor = _scalar(name, value)
+        if on_step:
+            if sync_dist and self.world_size > 1:
+                tensor = self.reduce(tensor.float(), op="mean")
+            key = f"{name}_step" if on_epoch else name
+            self.callback_metrics[name] = tensor
+            if on_epoch:
+                self.callback_metrics[key] = tensor
+            if logger:
+                self.step_values[key] = tensor
+            if prog_bar:
+                self.bar_values[name] = tensor
+        if on_epoch:
+            size = 1 if epoch_level else batch_size or size_of_batch(self.batch) or 1
+            total = (
+                tensor.double() * size if tensor.device.type in ("cpu", "cuda") else tensor * size
+            )
+            held = self._epoch.get(name)
+            if held is None:
+                self._epoch[name] = _EpochValue(
+                    total,
+                    torch.tensor(float(size), dtype=total.dtype, device=total.device),
+                    sync_dist,
+                    logger,
+                    prog_bar,
+                    on_step,
+                )
+            else:
+                held.total = held.total + total
+                held.size = held.size + size
+
+    def take_step_values(self) -> dict[str, float]:
+        """The step values logged since the last call, read as floats (one sync)."""
+        values = {k: float(v) for k, v in self.step_values.items()}
+        self.step_values.clear()
+        return values
+
+    def close_epoch(self) -> dict[str, float]:
+        """The epoch means logged since the last call (across ranks for ``sync_dist``),
+        into ``callback_metrics``; returns those for the logger, as floats."""
+        held, self._epoch = self._epoch, {}
+        if not held:
+            return {}
+        synced = sorted(k for k, v in held.items() if v.sync_dist)
+        if synced and self.world_size > 1:
+            # every rank's sums, added up in one collective
+            first = held[synced[0]].total
+            local = torch.stack(
+                [t for k in synced for t in (held[k].total.to(first), held[k].size.to(first))]
+            )
+            total = self.reduce(local, op="sum")
+            for i, k in enumerate(synced):
+                held[k].total, held[k].size = total[2 * i], total[2 * i + 1]
+        logged: dict[str, float] = {}
+        for name, value in held.items():
+            mean = value.total / value.size if float(value.size) else torch.tensor(math.nan)
+            key = f"{name}_epoch" if value.forked else name
+            reading = mean.float()
+            self.callback_metrics[key] = reading
+            if not value.forked:
+                self.callback_metrics[name] = reading
+            if value.prog_bar:
+                self.bar_values[name] = reading
+            if value.logger:
+                logged[key] = float(reading)
+        return logged
+
+
+def _scalar(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise MisconfigurationError(
+                f"self.log({name!r}, value): value has shape {tuple(value.shape)}; log one "
+                "number (a 0-dim tensor or a float), e.g. value.mean()."
+            )
+        return value.detach().reshape(())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value))
+    raise MisconfigurationError(
+        f"self.log({name!r}, {value!r}): log a number or a one-element tensor."
+    )
