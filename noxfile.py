@@ -151,7 +151,14 @@ def typecheck(session: nox.Session) -> None:
 def core(session: nox.Session) -> None:
     """core/tests, tests/, extensions/submit/tests: the core, every backend, cardcage-submit."""
     plugins = (f"./plugins/{name}" for name in BACKENDS)
-    _install(session, *plugins, SUBMIT_EXTENSION, tools=(TOOLS["pytest"],))
+    # tensorboard (the extra cardcage[tensorboard]) and pyyaml: the loggers' tests read back
+    # what TensorBoardLogger and hparams.yaml hold.
+    _install(
+        session,
+        *plugins,
+        SUBMIT_EXTENSION,
+        tools=(TOOLS["pytest"], "tensorboard", "pyyaml"),
+    )
     # The extension must load and register its commands; a failure is an error here.
     session.run("cardcage", "plugins", env={"CARDCAGE_STRICT_PLUGINS": "1"}, silent=True)
     session.run(
