@@ -28,10 +28,16 @@ class StepRunner(torch.nn.Module):
 
     def forward(self, name: str, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         step = getattr(self.module, name)
+        if name == "forward":  # the model's own forward (a prediction without predict_step)
+            args, kwargs, step = (), {}, _batch_only(step)
         if self.autocast is None:
             return step(batch, batch_idx, *args, **kwargs)
         with self.autocast():
             return step(batch, batch_idx, *args, **kwargs)
+
+
+def _batch_only(forward: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda batch, batch_idx: forward(batch)
 
 
 def replica_shares(batch: Any, replicas: int) -> list[int] | None:
@@ -97,12 +103,20 @@ def data_parallel_step(
     reduce_end = getattr(model, f"{name}_end", None)
     replicas = len(getattr(parallel, "device_ids", None) or ()) or 1
 
+    if name in ("predict_step", "forward"):  # predictions: per sample, as gathered
+
+        def predict(batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
+            return parallel(name, batch, batch_idx, *args, **kwargs)
+
+        return predict
+
     def step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         output = parallel(name, batch, batch_idx, *args, **kwargs)
         if callable(reduce_end):
             return reduce_end(output)
         return reduce_replica_outputs(output, replica_shares(batch, replicas))
 
+    step.calls_step_end = True  # type: ignore[attr-defined]  # the loop must not call it again
     return step
 
 
