@@ -31,7 +31,6 @@ in one process would have drawn; every sample still comes once.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -84,18 +83,7 @@ def predict(trainer: Trainer, model: torch.nn.Module | None, dataloaders: Any) -
             "predict: no dataloader. Pass trainer.predict(model, dataloaders=...) or add "
             "predict_dataloader() to the model."
         )
-    if trainer._handed_back is not None:
-        # Workers trained and are gone: this process predicts the whole data alone, on the
-        # CPU, with the weights they handed back.
-        accelerator = Strategy(dataclasses.replace(trainer.selection, world_size=1, global_rank=0))
-        accelerator.setup_process(trainer)
-    else:
-        if not trainer._prepared:
-            trainer._hooks().cardcage_setup_process(
-                trainer=trainer, accelerator=trainer.accelerator
-            )
-            trainer._prepared = True
-        accelerator = trainer.accelerator
+    accelerator = trainer.evaluation_strategy()
     results = _predict(trainer, accelerator, loaders, has_step)
     return results[0] if len(results) == 1 else results
 

@@ -589,18 +589,28 @@ class Trainer:
             raise MisconfigurationError(
                 f"{prefix}: no dataloader. Pass dataloaders=... or add {source}() to the model."
             )
-        if self._handed_back is not None:
-            # Workers trained and are gone: this process evaluates the whole data alone, on
-            # the CPU, with the weights they handed back.
-            alone = Strategy(dataclasses.replace(self.selection, world_size=1, global_rank=0))
+        return loop.evaluate(self, self.evaluation_strategy(), loaders, step, prefix)
+
+    def evaluation_strategy(self) -> Strategy:
+        """Where ``validate``, ``test`` and ``predict`` run in this process.
+
+        In a process that is one rank of a running job (it trained, or the job's processes
+        were made outside: torchrun, SLURM, horovodrun), that job's backend, set up here
+        if it was not. Otherwise (workers that trained are gone, or ``fit`` would start the
+        processes and has not) this process evaluates the whole data alone, on the CPU, with
+        the weights it holds: no process is started for an evaluation.
+        """
+        selection = self.selection
+        joins = self._prepared or selection.world_size <= 1
+        joins = joins or (selection.processes_created_outside and self._handed_back is None)
+        if not joins or self._handed_back is not None:
+            alone = Strategy(dataclasses.replace(selection, world_size=1, global_rank=0))
             alone.setup_process(self)
             self.metrics = MetricStore()
             self.hooks = Hooks(self, self.model, self.callbacks)
-            return loop.evaluate(self, alone, loaders, step, prefix)
+            return alone
         if not self._prepared:
             self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
             self._prepared = True
             self.start_metrics()
-        if self.hooks is None:
-            self.start_metrics()
-        return loop.evaluate(self, self.accelerator, loaders, step, prefix)
+        return self.accelerator
