@@ -118,3 +118,15 @@ def test_under_ddp_spawn_the_mean_is_the_mean_over_every_ranks_samples(tmp_path:
     metrics = json.loads(done.stdout.strip().splitlines()[-1])
     # one process over the 100 samples: 36 / 100 (an unweighted mean of ranks gives 0.5)
     assert metrics["val_positive"] == pytest.approx(0.36, abs=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["ddp_spawn", "ddp"])
+def test_before_any_fit_the_caller_evaluates_alone(backend: str) -> None:
+    """validate/test/predict before fit under a backend whose fit starts the processes: the
+    caller evaluates every sample itself (no process group, no process started), instead of
+    failing on a process group it cannot join."""
+    trainer = cardcage.Trainer(distributed_backend=backend, num_processes=2, progress_bar=False)
+    metrics = trainer.validate(Counting(), uneven())
+    assert metrics["val_positive"] == pytest.approx(0.36, abs=1e-12)
+    assert trainer.test(Counting(), uneven())["test_loss"] == pytest.approx(0.36, abs=1e-12)
+    assert not torch.distributed.is_initialized()
