@@ -271,7 +271,9 @@ BROKEN_DIAGRAMS = {
     ),
     # the backend's layers drawn outside its subgraph
     "outside backend": lambda page: _swap_lines(
-        page, '        b_types["selection_types"]\n', '    lower["environments | checkpoints"]\n'
+        page,
+        '        b_types["selection_types"]\n',
+        '    lower["environments | checkpoints | callbacks | loggers"]\n',
     ),
 }
 
