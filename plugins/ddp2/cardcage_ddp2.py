@@ -11,7 +11,8 @@ the CPU (as Lightning 1.0 did); with no GPU on several nodes each node trains on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from cardcage.sdk import (
 class DDP2Accelerator(DistributedAccelerator):
     name = "ddp2"
     rules = ()
+    #: Inside ``skip_gradient_sync``: backward does not average across nodes.
+    accumulating = False
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:
@@ -86,8 +89,19 @@ class DDP2Accelerator(DistributedAccelerator):
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
-        if self.world_size > 1 and dist.is_initialized():
+        if self.world_size > 1 and dist.is_initialized() and not self.accumulating:
             self._average_gradients()
+
+    @contextlib.contextmanager
+    def skip_gradient_sync(self) -> Iterator[None]:
+        """Backward leaves the nodes' gradients apart (summed locally) until the last
+        micro-batch of an accumulated step, whose backward averages the whole sum once:
+        the average of sums is the sum of averages."""
+        self.accumulating = True
+        try:
+            yield
+        finally:
+            self.accumulating = False
 
     def _average_gradients(self) -> None:
         """One all-reduce of every gradient, flattened, divided by the number of nodes."""

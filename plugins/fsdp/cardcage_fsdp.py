@@ -10,10 +10,11 @@ third-party backend would be; the README says why each choice was made.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,24 @@ class FSDPAccelerator(DistributedAccelerator):
         if sharded is None:
             return super().step_function(model, name)
         return lambda *args, **kwargs: redirected(sharded, name, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def skip_gradient_sync(self) -> Iterator[None]:
+        """No reduce-scatter in the backward of the micro-batches before the last: each rank
+        keeps its unsharded gradients, summed; the last micro-batch's backward reduce-scatters
+        the sum. (``clip_gradients`` needs no override: ``clip_grad_norm_`` over the sharded
+        DTensor gradients computes the total norm across the shards.)"""
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = self.parallel
+        if not isinstance(sharded, FSDPModule):
+            yield
+            return
+        sharded.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            sharded.set_requires_gradient_sync(True)
 
     def teardown(self, trainer: TrainerProtocol) -> None:
         """Put the user's model back in ``trainer.model`` with the full trained weights.

@@ -125,6 +125,10 @@ class TPUAccelerator(EngineStrategy, Accelerator):
         self.core = cores[0] - 1 if isinstance(cores, list) else None  # [k]: PJRT's xla:{k-1}
         self.multi_core = isinstance(cores, int) and cores > 1  # replicas from xmp.spawn
         self.replicated = False  # a replica of a multi-core job (its collectives are live)
+        #: ids of the optimizers whose gradients clip_gradients averaged for the next step.
+        self.reduced: set[int] = set()
+        #: Whether gradients are accumulated over several programs (see reduce_gradients).
+        self.copy_gradients = False
 
     def setup_process(self, trainer: Any) -> None:
         import torch_xla
@@ -160,6 +164,7 @@ class TPUAccelerator(EngineStrategy, Accelerator):
         trainer.model.to(self.device)
         super().setup_process(trainer)
         self.moves_batches = True
+        self.copy_gradients = getattr(trainer.flags, "accumulate_grad_batches", 1) > 1
 
     def backward(self, loss: torch.Tensor) -> None:
         try:
@@ -174,10 +179,39 @@ class TPUAccelerator(EngineStrategy, Accelerator):
                 "device: torch_xla.device()), or train with tpu_cores in a fresh process."
             ) from error
 
+    def clip_gradients(
+        self, optimizer: torch.optim.Optimizer, value: float, algorithm: str
+    ) -> None:
+        """Average the gradients over the replicas first (which ``optimizer_step`` then does
+        not repeat), then clip them as the default does: the norm is that of the averaged
+        gradients, as in one process."""
+        self.reduce_gradients(optimizer)
+        self.reduced.add(id(optimizer))
+        super().clip_gradients(optimizer, value, algorithm)
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average the gradients over the replicas (unless ``clip_gradients`` did), then step:
+        ``xm.optimizer_step``'s work."""
+        if id(optimizer) in self.reduced:
+            self.reduced.discard(id(optimizer))
+        else:
+            self.reduce_gradients(optimizer)
+        optimizer.step()
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """``xm.reduce_gradients``. With ``accumulate_grad_batches > 1`` each gradient is
+        first replaced by a copy: with torch-xla 2.9 on XLA:CPU (two replicas), the in-place
+        all-reduce left gradients accumulated over several programs as they were (each
+        replica stepped on its own sum; the kit's ``accumulate`` scenario shows it), and a
+        copy is reduced."""
         import torch_xla.core.xla_model as xm
 
-        xm.optimizer_step(optimizer)  # averages the gradients over the replicas, then steps
+        if self.copy_gradients:
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    if parameter.grad is not None:
+                        parameter.grad = parameter.grad.clone()
+        xm.reduce_gradients(optimizer)
 
     def portable(self, obj: T) -> T:
         """``obj`` with its XLA tensors on the CPU, moved as ``xm.save`` moves them: one

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, cast
 
@@ -105,6 +105,8 @@ class HorovodAccelerator(Accelerator):
     )
     #: The default of CARDCAGE_HOROVOD_SCALE_LR: multiply the learning rates, as the seed did.
     scale_lr: ClassVar[bool] = True
+    #: Inside ``skip_gradient_sync``: backward does not synchronize.
+    accumulating = False
 
     @classmethod
     def check_selection(cls, selection: Selection, env: Mapping[str, str]) -> None:
@@ -208,18 +210,40 @@ class HorovodAccelerator(Accelerator):
                 how = "cardcage: horovod multiplied the learning rates by %d (%s=0 keeps them)"
                 log.info(how, self.world_size, SCALE_LR)
 
+        # Horovod's gradient hooks all-reduce a parameter's gradient at every
+        # accumulate_grad_batches-th backward only; the ones before add up locally.
+        passes = getattr(trainer.flags, "accumulate_grad_batches", 1)
+
         def distributed(optimizer: torch.optim.Optimizer) -> Any:
             broadcast_optimizer(hvd, optimizer, root_rank=0)
             named = named_parameters(self.unwrapped_model(trainer), optimizer)
-            return hvd.DistributedOptimizer(optimizer, named_parameters=named)
+            return hvd.DistributedOptimizer(
+                optimizer, named_parameters=named, backward_passes_per_step=passes
+            )
 
         self.distributed_optimizers = trainer.optimization.wrap(distributed)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward, then wait for the averaged gradients of every optimizer."""
+        """Backward, then wait for the averaged gradients of every optimizer; inside
+        ``skip_gradient_sync``, backward only. So the loop's ``clip_gradients`` (the
+        default) clips averaged gradients, and ``optimizer_step`` need not synchronize."""
         self.precision.backward(loss)
+        if self.accumulating:
+            return
         for optimizer in self.distributed_optimizers:
             optimizer.synchronize()
+
+    @contextlib.contextmanager
+    def skip_gradient_sync(self) -> Iterator[None]:
+        """The micro-batches before the last of an accumulated step: no ``synchronize`` in
+        backward, which would all-reduce every gradient at once. The hooks skip them too
+        (``backward_passes_per_step``); the last micro-batch's backward (or a shorter
+        group's, at the end of an epoch, through ``synchronize``) all-reduces the sums."""
+        self.accumulating = True
+        try:
+            yield
+        finally:
+            self.accumulating = False
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step on the gradients ``backward`` already averaged (through the grad scaler)."""

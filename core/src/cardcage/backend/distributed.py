@@ -225,6 +225,18 @@ class DistributedAccelerator(Accelerator):
 
         return step
 
+    def skip_gradient_sync(self) -> contextlib.AbstractContextManager[None]:
+        """DistributedDataParallel's ``no_sync()``: the micro-batches before the last of an
+        accumulated step add to local gradients with no all-reduce; the last one's backward
+        all-reduces the sum. A ``wrap`` that builds no DDP overrides this if it communicates
+        in backward."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        parallel = self.parallel
+        if isinstance(parallel, DistributedDataParallel):
+            return parallel.no_sync()
+        return contextlib.nullcontext()
+
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()

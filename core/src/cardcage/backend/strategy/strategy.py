@@ -14,6 +14,7 @@ process-creation role (:mod:`cardcage.backend.launch.launcher`) live apart;
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -128,6 +129,43 @@ class Strategy:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step one optimizer (through the grad scaler at precision 16)."""
         self.precision.step(optimizer)
+
+    def skip_gradient_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which backward accumulates gradients without communicating.
+
+        With ``accumulate_grad_batches=N > 1`` the loop runs the step and backward of each
+        of the first ``N - 1`` micro-batches of an optimizer step inside it; the final
+        micro-batch's backward (outside it) synchronizes the accumulated sum as usual. The
+        loop divides each micro-batch's loss by ``N``. The default does nothing: a backend
+        that synchronizes in backward (DistributedDataParallel's ``no_sync``, FSDP's
+        ``set_requires_gradient_sync``) overrides it.
+        """
+        return contextlib.nullcontext()
+
+    def clip_gradients(
+        self, optimizer: torch.optim.Optimizer, value: float, algorithm: str
+    ) -> None:
+        """Clip the gradients of ``optimizer``'s parameters in place.
+
+        Called by the loop for each optimizer when ``gradient_clip_val > 0``: after the
+        final micro-batch's backward, ``precision.unscale(optimizers)`` and
+        ``on_after_backward``, before :meth:`optimizer_step`, so the gradients are unscaled
+        and already synchronized across processes. ``algorithm`` ``"norm"`` scales them so
+        that their total 2-norm (over every parameter of ``optimizer``; a sharded backend
+        computes it across shards) is at most ``value``; ``"value"`` clamps each element to
+        ``[-value, value]``. Parameters without a gradient are left out.
+        """
+        parameters = [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
+        if not parameters:
+            return
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(parameters, value)
+        elif algorithm == "value":
+            torch.nn.utils.clip_grad_value_(parameters, value)
+        else:
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r}: use 'norm' or 'value'")
 
     def read(self, tensor: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``tensor``, for the loop to look at a value in the middle of a step
