@@ -38,6 +38,10 @@ from cardcage.testing.models import (
 IN_STEP = 3
 #: What ``resize_save`` writes, and the variable naming it to ``resize_resume``.
 RESIZE_CHECKPOINT, RESUME = "resize.ckpt", "CARDCAGE_KIT_RESUME"
+#: ``accumulate``'s micro-batches per optimizer step: each epoch's last group is shorter.
+ACCUMULATE = 3
+#: ``clip``'s limits: the total gradient norm (with 2 micro-batches a step), and each element.
+CLIP_NORM, CLIP_VALUE, CLIP_ACCUMULATE = 0.2, 0.05, 2
 
 
 class Job:
@@ -168,6 +172,37 @@ def resize_resume(job: Job) -> dict[str, Any]:
     return {"resumed": flat(resumed)}
 
 
+def accumulate(job: Job) -> dict[str, Any]:
+    """Momentum SGD stepping once every ``ACCUMULATE`` batches (and at each epoch's end)."""
+    model = KitModel("sgd")
+    trainer = _fit(job, model, job.train(), max_epochs=2, accumulate_grad_batches=ACCUMULATE)
+    return {"weights": flat(model), "global_step": trainer.global_step}
+
+
+def clip(job: Job) -> dict[str, Any]:
+    """Gradients clipped by their total norm after 2 accumulated micro-batches (so after
+    the backend synchronized their sum), then, in a second model, clamped element-wise."""
+    by_norm = KitModel("sgd")
+    _fit(
+        job,
+        by_norm,
+        job.train(),
+        max_epochs=2,
+        gradient_clip_val=CLIP_NORM,
+        accumulate_grad_batches=CLIP_ACCUMULATE,
+    )
+    by_value = KitModel("sgd")
+    _fit(
+        job,
+        by_value,
+        job.train(),
+        max_epochs=2,
+        gradient_clip_val=CLIP_VALUE,
+        gradient_clip_algorithm="value",
+    )
+    return {"norm": flat(by_norm), "value": flat(by_value)}
+
+
 def fail(job: Job) -> dict[str, Any]:
     """Rank 1 raises at its second step."""
     model = FailingModel("sgd")
@@ -184,6 +219,8 @@ SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
     "max_steps": max_steps,
     "checkpoint": checkpoint,
     "checkpoint_in_step": checkpoint_in_step,
+    "accumulate": accumulate,
+    "clip": clip,
     "resize_save": resize_save,
     "resize_resume": resize_resume,
     "fail": fail,
@@ -194,6 +231,7 @@ FITS = {name: 1 for name in SCENARIOS} | {
     "max_steps": 2,
     "checkpoint": 2,
     "checkpoint_in_step": 2,
+    "clip": 2,
 }
 
 

@@ -73,11 +73,17 @@ def train(
     drop_last: bool = False,
     max_steps: int | None = None,
     resize: tuple[int, int] | None = None,
+    accumulate: int = 1,
+    clip: tuple[str, float] | None = None,
 ) -> int:
     """Train ``model`` as the job's scenario would; returns the number of steps taken.
 
     ``resize=(epoch, world)``: from that epoch on, train at that world size (a run resumed
-    from an epoch's checkpoint by a job of another size)."""
+    from an epoch's checkpoint by a job of another size). ``accumulate=N``: each optimizer
+    step takes the gradients of N consecutive global batches, each loss divided by N (the
+    last, shorter group of an epoch too, as Lightning 1.0 divides it). ``clip=(algorithm,
+    value)``: before each step, each optimizer's gradients clipped by their total 2-norm
+    (``"norm"``) or element-wise (``"value"``)."""
     optimizers, schedulers = make_optimizers(model, kind)  # type: ignore[arg-type]
     data = Regression(samples)
     limit = max_steps if max_steps is not None else math.inf
@@ -85,13 +91,18 @@ def train(
     step, epoch = 0, 0
     while epoch < last and step < limit:
         size = resize[1] if resize is not None and epoch >= resize[0] else world
-        steps = list(global_batches(data, batch, size, epoch, shuffle, drop_last))
+        batches = list(global_batches(data, batch, size, epoch, shuffle, drop_last))
+        steps = [batches[i : i + accumulate] for i in range(0, len(batches), accumulate)]
         taken = 0
-        for parts in steps:
+        for group in steps:
             for optimizer in optimizers:
                 optimizer.zero_grad()
-            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in parts]
-            torch.stack(losses).mean().backward()  # type: ignore[no-untyped-call]
+            for parts in group:
+                losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in parts]
+                (torch.stack(losses).mean() / accumulate).backward()  # type: ignore[no-untyped-call]
+            if clip is not None:
+                for optimizer in optimizers:
+                    clip_gradients(optimizer, *clip)
             for optimizer in optimizers:
                 optimizer.step()
             step, taken = step + 1, taken + 1
@@ -102,6 +113,15 @@ def train(
                 scheduler.step()
         epoch += 1
     return step
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, algorithm: str, value: float) -> None:
+    """Clip the gradients of ``optimizer``'s parameters as one process would."""
+    parameters = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if algorithm == "norm":
+        torch.nn.utils.clip_grad_norm_(parameters, value)
+    else:
+        torch.nn.utils.clip_grad_value_(parameters, value)
 
 
 def weights(kind: str, *, seed: int = 0, **options: Any) -> list[float]:

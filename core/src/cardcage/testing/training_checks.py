@@ -15,7 +15,16 @@ from cardcage.plugins import manager as plugins
 from cardcage.selection.rules import rule_name
 from cardcage.testing import reference
 from cardcage.testing.harness import Harness
-from cardcage.testing.job import FITS, IN_STEP, RESIZE_CHECKPOINT, RESUME
+from cardcage.testing.job import (
+    ACCUMULATE,
+    CLIP_ACCUMULATE,
+    CLIP_NORM,
+    CLIP_VALUE,
+    FITS,
+    IN_STEP,
+    RESIZE_CHECKPOINT,
+    RESUME,
+)
 from cardcage.testing.models import UNEVEN_SAMPLES, flat, make_net
 from cardcage.testing.suite import SCENARIOS, JobOutput, Launch, SuiteBase, run_job
 
@@ -52,6 +61,14 @@ def expected(scenario: str, world: int, batch: int) -> dict[str, list[float]]:
     if scenario == "checkpoint_in_step":
         weights = reference.weights("sgd", **two_epochs)
         return {"weights": weights, "resumed": weights}
+    if scenario == "accumulate":
+        return {"weights": reference.weights("sgd", accumulate=ACCUMULATE, **two_epochs)}
+    if scenario == "clip":
+        norm = ("norm", CLIP_NORM)
+        return {
+            "norm": reference.weights("sgd", accumulate=CLIP_ACCUMULATE, clip=norm, **two_epochs),
+            "value": reference.weights("sgd", clip=("value", CLIP_VALUE), **two_epochs),
+        }
     raise KeyError(scenario)
 
 
