@@ -9,6 +9,7 @@ from typing import Any
 import cardcage.callbacks
 from cardcage.callbacks import (
     CALLBACK_HOOKS,
+    INIT_HOOKS,
     STATE_HOOKS,
     Callback,
     EarlyStopping,
@@ -27,15 +28,18 @@ EXTRA = {
     "on_test_batch_end": ["outputs", "batch", "batch_idx", "dataloader_idx"],
     "on_train_epoch_end": ["outputs"],
     "on_before_zero_grad": ["optimizer"],
+    "setup": ["stage"],
+    "teardown": ["stage"],
 }
 
 
 def test_every_hook_is_a_no_op_with_lightnings_arguments() -> None:
     callback = Callback()
-    assert len(set(CALLBACK_HOOKS)) == len(CALLBACK_HOOKS) == 28
-    for name in CALLBACK_HOOKS:
+    assert len(set(CALLBACK_HOOKS)) == len(CALLBACK_HOOKS) == 32
+    for name in CALLBACK_HOOKS + INIT_HOOKS:
         parameters = list(inspect.signature(getattr(Callback, name)).parameters)
-        assert parameters == ["self", "trainer", "pl_module", *EXTRA.get(name, [])], name
+        wanted = ["trainer"] if name in INIT_HOOKS else ["trainer", "pl_module"]
+        assert parameters == ["self", *wanted, *EXTRA.get(name, [])], name
         arguments = [None] * (len(parameters) - 1)
         assert getattr(callback, name)(*arguments) is None
         assert not overridden(callback, name)
@@ -70,7 +74,10 @@ def test_overridden_names_only_what_a_callback_defines() -> None:
     }
 
 
-def test_hooks_the_loop_never_calls_are_found() -> None:
+def test_hooks_cardcage_never_calls_are_found_and_not_defined_by_the_base() -> None:
+    """The Trainer refuses a callback that defines on_keyboard_interrupt: the base class
+    must not define it, or every callback would be refused."""
+
     class Old(Callback):
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             pass
@@ -78,8 +85,8 @@ def test_hooks_the_loop_never_calls_are_found() -> None:
         def on_keyboard_interrupt(self, trainer: Any, pl_module: Any) -> None:
             pass
 
-    assert ignored_hooks(Old()) == ["setup", "on_keyboard_interrupt"]
-    assert ignored_hooks(ModelCheckpoint()) == []
+    assert ignored_hooks(Old()) == ["on_keyboard_interrupt"]
+    assert ignored_hooks(Callback()) == ignored_hooks(ModelCheckpoint()) == []
 
 
 def test_the_package_imports_nothing_of_the_trainer() -> None:

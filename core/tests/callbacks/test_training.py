@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import cardcage
-from cardcage.callbacks import EarlyStopping, ModelCheckpoint
+from cardcage.callbacks import CALLBACK_HOOKS, EarlyStopping, ModelCheckpoint
 from cardcage.testing.harness import Harness
 
 JOB = Path(__file__).with_name("callbacks_job.py")
@@ -218,3 +218,38 @@ def test_ranks_that_disagree_stop_together_and_save_as_rank_0_decides(tmp_path: 
     assert rank0["checkpoint"] == rank1["checkpoint"]
     assert caller["checkpoint"]["best_model_path"] == str(folder / "epoch=3.ckpt")
     assert caller["checkpoint"]["best_model_score"] == 2.0
+
+
+class Recorder(cardcage.Callback):
+    """Records the name of every hook of CALLBACK_HOOKS the loop calls on it."""
+
+    def __init__(self) -> None:
+        self.called: list[str] = []
+
+
+def _recording(name: str) -> Any:
+    def hook(self: Recorder, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.called.append(name)
+
+    return hook
+
+
+for _name in CALLBACK_HOOKS:
+    setattr(Recorder, _name, _recording(_name))
+
+
+class WithTestStep(Scripted):
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss: torch.Tensor = self.layer(x).pow(2).mean()
+        return loss
+
+
+def test_the_loop_calls_every_hook_callback_hooks_names(tmp_path: Path) -> None:
+    """A fit with a sanity check and validation, then a test, calls each hook of
+    CALLBACK_HOOKS (the list the loop's dispatch relies on), and setup before on_fit_start."""
+    recorder = Recorder()
+    trainer = fit(WithTestStep([1.0, 1.0]), tmp_path, [recorder], num_sanity_val_steps=1)
+    trainer.test(dataloaders=loader(2))
+    assert set(recorder.called) == set(CALLBACK_HOOKS)
+    assert recorder.called[:2] == ["setup", "on_fit_start"]

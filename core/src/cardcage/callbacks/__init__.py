@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from cardcage.callbacks.base import (
     CALLBACK_HOOKS,
+    INIT_HOOKS,
     NOT_CALLED,
     STATE_HOOKS,
     Callback,
@@ -22,6 +23,7 @@ from cardcage.callbacks.model_checkpoint import ModelCheckpoint
 
 __all__ = [
     "CALLBACK_HOOKS",
+    "INIT_HOOKS",
     "NOT_CALLED",
     "STATE_HOOKS",
     "Callback",

@@ -18,7 +18,10 @@ import torch
 
 #: Every hook the loop may call, each as ``hook(trainer, pl_module, ...)``.
 CALLBACK_HOOKS: tuple[str, ...] = (
+    "setup",
     "on_fit_start",
+    "on_pretrain_routine_start",
+    "on_pretrain_routine_end",
     "on_train_start",
     "on_sanity_check_start",
     "on_sanity_check_end",
@@ -40,6 +43,7 @@ CALLBACK_HOOKS: tuple[str, ...] = (
     "on_epoch_end",
     "on_train_end",
     "on_fit_end",
+    "teardown",
     "on_test_start",
     "on_test_epoch_start",
     "on_test_batch_start",
@@ -48,21 +52,17 @@ CALLBACK_HOOKS: tuple[str, ...] = (
     "on_test_end",
 )
 
+#: The hooks the Trainer's constructor calls, each as ``hook(trainer)``.
+INIT_HOOKS: tuple[str, ...] = ("on_init_start", "on_init_end")
+
 #: The state hooks: ``on_save_checkpoint(trainer, pl_module) -> dict | None`` when a
 #: checkpoint is gathered, ``on_load_checkpoint(state)`` on resume.
 STATE_HOOKS: tuple[str, ...] = ("on_save_checkpoint", "on_load_checkpoint")
 
-#: Lightning 1.0 callback hooks that cardcage's loop never calls. A callback that overrides
-#: one would be silently ignored; :func:`ignored_hooks` finds them so that the Trainer can say.
-NOT_CALLED: tuple[str, ...] = (
-    "on_init_start",
-    "on_init_end",
-    "setup",
-    "teardown",
-    "on_pretrain_routine_start",
-    "on_pretrain_routine_end",
-    "on_keyboard_interrupt",
-)
+#: Lightning 1.0 callback hooks that cardcage never calls (so :class:`Callback` does not
+#: define them): the Trainer refuses a callback that does, naming the hook.
+#: :func:`ignored_hooks` finds them.
+NOT_CALLED: tuple[str, ...] = ("on_keyboard_interrupt",)
 
 
 class TrainerView(Protocol):
@@ -97,6 +97,24 @@ class Callback:
         return type(self).__qualname__
 
     # -- fit ------------------------------------------------------------------------------
+
+    def on_init_start(self, trainer: Any) -> None:
+        """The Trainer's constructor has checked its flags (``trainer`` only)."""
+
+    def on_init_end(self, trainer: Any) -> None:
+        """The Trainer's constructor is about to return (``trainer`` only)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """A stage (``"fit"``) begins in this process, before ``on_fit_start``."""
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """A stage (``"fit"``) ends in this process, after ``on_fit_end``."""
+
+    def on_pretrain_routine_start(self, trainer: Any, pl_module: Any) -> None:
+        """After ``on_fit_start``, before the sanity check."""
+
+    def on_pretrain_routine_end(self, trainer: Any, pl_module: Any) -> None:
+        """After ``on_pretrain_routine_start``, before the sanity check."""
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """``fit`` begins, after the resume (callback states are already loaded)."""
