@@ -85,7 +85,14 @@ def test_plugins_import_cardcage_only_through_the_sdk() -> None:
 #: The top level of the package: the faces and the leaves every layer may import.
 TOP_LEVEL = {"__init__.py", "__main__.py", "_version.py", "errors.py", "sdk.py", "devices.py"}
 #: Modules whose job is to gather names from the layers below: the faces.
-FACES = {"__init__.py", "sdk.py", "testing/__init__.py"}
+# The public faces DESIGN.md names: they gather what users import.
+FACES = {
+    "__init__.py",
+    "sdk.py",
+    "testing/__init__.py",
+    "callbacks/__init__.py",
+    "loggers/__init__.py",
+}
 
 
 def test_the_top_level_holds_only_the_faces_and_leaves() -> None:
