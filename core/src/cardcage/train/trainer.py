@@ -57,6 +57,13 @@ class Trainer:
     :class:`~cardcage.MisconfigurationError` before any process, port or CUDA context
     exists. ``progress_bar``: ``None`` shows a bar on rank 0 when stderr is a terminal;
     ``True``/``False`` force it.
+
+    The loop's flags (``accumulate_grad_batches``, ``gradient_clip_val``,
+    ``gradient_clip_algorithm``, ``deterministic``, ``fast_dev_run``, ``limit_*_batches``,
+    ``check_val_every_n_epoch``, ``min_epochs``, ``log_every_n_steps``,
+    ``num_sanity_val_steps``, ``callbacks``, ``logger``), the hooks it calls and in which
+    order, ``self.log``, loggers and callbacks: the documentation's "The training loop" page
+    (docs/training-loop.md).
     """
 
     def __init__(
