@@ -62,6 +62,10 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
             os.kill(os.getpid(), sig)
 
 
+#: How long a child seen exiting may take to give its exit status before it is judged.
+EXIT_STATUS_WAIT_S = 2.0
+
+
 @dataclass
 class Child:
     """A process this launcher started, as one rank of the job."""
@@ -188,6 +192,14 @@ class Supervisor:
         offset = time.time() - time.monotonic()  # error files hold wall-clock times
         for child in failed:
             code = child.poll()
+            # A child seen on its way out (its status not yet readable) may be one that
+            # finished its fit and is exiting normally: wait for its status to know.
+            deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+            while code is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+                code = child.poll()
+            if code == 0 and fits_finished(child.error_file) >= self.runs:
+                continue  # it finished cleanly
             when, text = read_error_file(child.error_file)
             if not text:
                 when = self._alive_at.get(child.rank, 0.0) + offset
@@ -195,6 +207,8 @@ class Supervisor:
             early = code == 0 or not (text or signalled)
             reason = left_early(code) if early and code is not None else ""
             failures.append(Failure(child.rank, code, text, reason=reason, when=when))
+        if not failures:
+            return None
         return min(failures, key=lambda f: (f.when, f.rank))
 
     def _abort(self, failure: Failure | None) -> None:
