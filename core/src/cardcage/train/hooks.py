@@ -110,9 +110,13 @@ class Hooks:
             found = calls[0]
         else:
 
-            def found(*args: Any, **kwargs: Any) -> None:
+            def found(*args: Any, **kwargs: Any) -> Any:
+                # what the model's (last) implementation returns, as Lightning 1.0's
+                # call_hook: on_train_batch_start's -1 ends the epoch
+                returned = None
                 for call in calls:
-                    call(*args, **kwargs)
+                    returned = call(*args, **kwargs)
+                return returned
 
         self._cache[key] = found
         return found

@@ -506,11 +506,18 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
         # until the next epoch starts, a checkpoint resumes at the next epoch (loop_state)
         trainer.epoch_finished = epoch_done
         metrics: dict[str, float] = {}
-        if val_loaders and (epoch + 1) % flags.check_val_every_n_epoch == 0:
+        if (
+            val_loaders
+            and flags.limit_val_batches != 0
+            and (epoch + 1) % flags.check_val_every_n_epoch == 0
+        ):
             metrics = run_validation(trainer, accelerator, val_loaders, beat)
         hooks("on_train_epoch_end", outputs)
         hooks("on_epoch_end")
         outputs = []
+        late = store.close_epoch()  # what those two hooks logged: this epoch's values
+        if late:
+            write_metrics(trainer, {**late, "epoch": float(epoch)}, last_step)
         if epoch_done and epoch_schedulers:  # after validation: a monitor sees this epoch's
             step_due(trainer, epoch_schedulers, epoch + 1)
         logger = trainer.logger
@@ -619,7 +626,6 @@ def _start(
             logger.log_hyperparams(
                 dict(vars(hparams)) if not isinstance(hparams, dict) else dict(hparams)
             )
-    hooks("setup", "fit")
     hooks("on_fit_start")
     hooks("on_pretrain_routine_start")
     hooks("on_pretrain_routine_end")
@@ -627,9 +633,9 @@ def _start(
     if sanity and val_loaders and not trainer.flags.fast_dev_run and trainer.global_step == 0:
         trainer.sanity_checking = True
         hooks("on_sanity_check_start")
-        try:
+        try:  # at most the batches limit_val_batches lets a validation run (Lightning 1.0)
             run_validation(
-                trainer, accelerator, val_loaders, beat, limit=math.inf if sanity < 0 else sanity
+                trainer, accelerator, val_loaders, beat, sanity=math.inf if sanity < 0 else sanity
             )
         finally:
             trainer.sanity_checking = False
@@ -760,14 +766,14 @@ def evaluate(
     step_name: str,
     prefix: str,
     beat: Callable[[], None] = _still,
-    limit: float | None = None,
+    sanity: float | None = None,
 ) -> dict[str, float]:
     """Run ``step_name`` over ``loaders`` without gradients, with its hooks; return the mean
     metrics (what the step returned, and what it logged).
 
     Runs under ``fork_rng`` so that evaluating changes no random state training uses.
-    ``limit``: batches per loader (``limit_val_batches`` / ``limit_test_batches`` unless
-    given: the sanity check's count).
+    Each loader runs the batches ``limit_val_batches`` / ``limit_test_batches`` allow, and at
+    most ``sanity`` (the sanity check's count) when given.
     """
     model = trainer.model
     hooks = trainer.hooks
@@ -784,10 +790,9 @@ def evaluate(
     autocast = accelerator.precision.autocast
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     flags = trainer.flags
-    if limit is None:
-        fast = flags.fast_dev_run
-        limit_flag = f"limit_{'val' if prefix == 'val' else prefix}_batches"
-        wanted = (1 if fast is True else fast) if fast else getattr(flags, limit_flag, 1.0)
+    fast = flags.fast_dev_run
+    limit_flag = f"limit_{'val' if prefix == 'val' else prefix}_batches"
+    wanted = (1 if fast is True else fast) if fast else getattr(flags, limit_flag, 1.0)
     loaders = list(loaders)
     takes_loader_index = _positional_count(getattr(model, step_name, None)) >= 3
     sizes: list[tuple[dict[str, torch.Tensor], int]] = []
@@ -799,7 +804,9 @@ def evaluate(
         hooks(f"{on}_epoch_start")
         store.place = EVAL_BATCH
         for index, loader in enumerate(loaders):
-            most = limit if limit is not None else batch_limit(wanted, _length(loader), limit_flag)
+            most = batch_limit(wanted, _length(loader), limit_flag)
+            if sanity is not None:
+                most = min(most, sanity)
             extra = (index,) if len(loaders) > 1 and takes_loader_index else ()
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= most:
@@ -870,13 +877,14 @@ def run_validation(
     accelerator: Strategy,
     loaders: list[Any],
     beat: Callable[[], None] = _still,
-    limit: float | None = None,
+    sanity: float | None = None,
 ) -> dict[str, float]:
+    """Validate during ``fit``; ``sanity``: the sanity check's batches per loader."""
     if not callable(getattr(trainer.model, "validation_step", None)):
         return {}
     place = trainer.metrics.place
     try:
-        metrics = evaluate(trainer, accelerator, loaders, "validation_step", "val", beat, limit)
+        metrics = evaluate(trainer, accelerator, loaders, "validation_step", "val", beat, sanity)
     finally:
         trainer.metrics.place = place
     if not trainer.sanity_checking:

@@ -92,6 +92,13 @@ class MetricStore:
                 f"self.log({name!r}, ..., on_step=True) in an epoch-end hook: there is no step "
                 "there. Leave on_step out (epoch hooks log on_epoch=True)."
             )
+        if on_step and place == EVAL_BATCH:
+            raise MisconfigurationError(
+                f"self.log({name!r}, ..., on_step=True) in a validation or test step: "
+                "cardcage writes validation and test values once per run of the loop, as "
+                "means weighted by batch size. Leave on_step out (on_epoch=True is the "
+                "default there)."
+            )
         if not (on_step or on_epoch):
             raise MisconfigurationError(
                 f"self.log({name!r}, ..., on_step=False, on_epoch=False) records nothing. Set "

@@ -364,6 +364,7 @@ class Trainer:
         self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
         self._prepared = True
         self.start_metrics()
+        self.hooks("setup", "fit")  # Lightning 1.0: before configure_optimizers
         self.optimization = configure_optimizers(self.model)
         self.accelerator.setup_optimizers(self)
         self.progress = ProgressBar(
@@ -549,7 +550,6 @@ class Trainer:
             "checkpoint": state,
             "logged_metrics": dict(self.logged_metrics),
             "callback_metrics": {k: float(v) for k, v in self.callback_metrics.items()},
-            "logger": self.logger if self.is_global_zero else None,
             "losses": list(self.losses),
         }
 
@@ -563,9 +563,6 @@ class Trainer:
             {k: torch.tensor(v) for k, v in result.get("callback_metrics", {}).items()}
         )
         self.load_callback_states(state.get("callbacks"))
-        written = result.get("logger")
-        if written is not None and type(written) is type(self.logger):
-            self.logger.__dict__.update(written.__dict__)  # the rows rank 0 wrote
         self.losses = list(result["losses"])
         self.global_step = int(state["global_step"])
         self.current_epoch = int(state["epoch"])
