@@ -31,6 +31,8 @@ SCENARIOS = (
     "max_steps",
     "checkpoint",
     "checkpoint_in_step",
+    "accumulate",
+    "clip",
 )
 #: Environments a selection is made in: plain, torchrun rank 1, SLURM, horovodrun, 2 nodes.
 ENVIRONMENTS: dict[str, dict[str, str]] = {
