@@ -301,3 +301,27 @@ def test_a_step_value_in_validation_step_is_refused_by_name(tmp_path: Path) -> N
     loader = DataLoader(TensorDataset(torch.ones(3, 1)), batch_size=1)
     with pytest.raises(cardcage.MisconfigurationError, match="vstep"):
         trainer.fit(ValidationStepValues(), loader, loader)
+
+
+class BarLogging(cardcage.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        self.log("seen", float(batch_idx + 1), prog_bar=True)
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_prog_bar_values_are_shown_in_the_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    """self.log(..., prog_bar=True): the value is in the bar's line (the last step's at the
+    epoch's end) and in trainer.progress_bar_metrics."""
+    trainer = cardcage.Trainer(max_epochs=1, progress_bar=True, logger=False)
+    trainer.fit(BarLogging(), DataLoader(TensorDataset(torch.ones(6, 1)), batch_size=2))
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "seen=3" in err, err
+    assert trainer.progress_bar_metrics == {"seen": 3.0}

@@ -274,6 +274,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     if callable(getattr(model, "optimizer_step", None)):
         optimizer_step = _model_optimizer_step(trainer, model, optimizer_step)
     bar = trainer.progress
+    bar.shown = store.bar_values  # self.log(..., prog_bar=True) values, shown at redraws
     fast = flags.fast_dev_run
     max_steps = flags.max_steps or math.inf
     max_epochs = flags.max_epochs or (math.inf if flags.max_steps else 1)

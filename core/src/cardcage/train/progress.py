@@ -64,6 +64,9 @@ class ProgressBar:
         # epoch's bar: a new bar starts at 0 and would be called every step until its
         # first redraw, a third of a 500-step epoch of the benchmark's MLP.
         self._miniters: float = 0
+        #: The values ``self.log(..., prog_bar=True)`` keeps (the loop's store: a live dict).
+        self.shown: dict[str, Any] = {}
+        self._shown: dict[str, Any] = {}  # as they were at the call before (see step)
 
     @staticmethod
     def wanted(flag: bool | None, global_rank: int) -> bool:
@@ -106,11 +109,17 @@ class ProgressBar:
         # before (a lazy engine (XLA) has run that step already; reading this one's would
         # run a program outside its step barrier) and counts samples from a batch's size.
         before, self._loss, self._batch = self._loss, loss, batch
+        shown, self._shown = self._shown, dict(self.shown) if self.shown else self._shown
         if before is None:  # the epoch's first step: a whole batch
             self._full = batch_size_of(batch)
         # tqdm redraws when update() returns True; read the loss only then.
         if bar.update(steps) and before is not None:
-            bar.set_postfix(loss=f"{float(before):.4g}", samples_s=self._rate(), refresh=False)
+            bar.set_postfix(
+                loss=f"{float(before):.4g}",
+                samples_s=self._rate(),
+                **{k: f"{float(v):.4g}" for k, v in shown.items()},
+                refresh=False,
+            )
         left: float = bar.miniters - (bar.n - bar.last_print_n)
         return max(1, math.ceil(left))
 
@@ -130,10 +139,12 @@ class ProgressBar:
         if self._loss is not None:
             postfix["loss"] = f"{float(self._loss):.4g}"
             postfix["samples_s"] = self._rate()
+        postfix.update({k: f"{float(v):.4g}" for k, v in self.shown.items()})
         postfix.update({k: f"{v:.4g}" for k, v in (metrics or {}).items()})
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
         self._loss = self._batch = None
+        self._shown = {}
         self._miniters = self._bar.miniters
         self._bar.close()
         self._bar = None
