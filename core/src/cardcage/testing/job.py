@@ -29,6 +29,8 @@ from cardcage.testing.models import (
     VAL_SAMPLES,
     FailingModel,
     KitModel,
+    RecordFitEnd,
+    StopOnLastRank,
     flat,
     loader,
     seed_for_rank,
@@ -42,6 +44,8 @@ RESIZE_CHECKPOINT, RESUME = "resize.ckpt", "CARDCAGE_KIT_RESUME"
 ACCUMULATE = 3
 #: ``clip``'s limits: the total gradient norm (with 2 micro-batches a step), and each element.
 CLIP_NORM, CLIP_VALUE, CLIP_ACCUMULATE = 0.2, 0.05, 2
+#: ``early_stop``'s max_epochs: the last rank asks to stop after the first of them.
+EARLY_STOP_EPOCHS = 3
 
 
 class Job:
@@ -173,10 +177,44 @@ def resize_resume(job: Job) -> dict[str, Any]:
 
 
 def accumulate(job: Job) -> dict[str, Any]:
-    """Momentum SGD stepping once every ``ACCUMULATE`` batches (and at each epoch's end)."""
+    """Momentum SGD stepping once every ``ACCUMULATE`` batches (and at each epoch's end);
+    every rank traces its ``global_step`` (``fit_end``)."""
     model = KitModel("sgd")
-    trainer = _fit(job, model, job.train(), max_epochs=2, accumulate_grad_batches=ACCUMULATE)
+    trainer = _fit(
+        job,
+        model,
+        job.train(),
+        max_epochs=2,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[RecordFitEnd()],
+    )
     return {"weights": flat(model), "global_step": trainer.global_step}
+
+
+def step_scheduler(job: Job) -> dict[str, Any]:
+    """Momentum SGD with a StepLR stepped after every optimizer step (``"interval":
+    "step"``); every rank traces its learning rate at the end (``fit_end``)."""
+    model = KitModel("step_lr")
+    trainer = _fit(job, model, job.train(), max_epochs=2, callbacks=[RecordFitEnd()])
+    return {"weights": flat(model), "global_step": trainer.global_step}
+
+
+def early_stop(job: Job) -> dict[str, Any]:
+    """The last rank alone asks to stop at the end of epoch 0 of ``EARLY_STOP_EPOCHS``;
+    every rank traces where it ended (``fit_end``)."""
+    model = KitModel("sgd")
+    trainer = _fit(
+        job,
+        model,
+        job.train(),
+        max_epochs=EARLY_STOP_EPOCHS,
+        callbacks=[StopOnLastRank(), RecordFitEnd()],
+    )
+    return {
+        "weights": flat(model),
+        "global_step": trainer.global_step,
+        "current_epoch": trainer.current_epoch,
+    }
 
 
 def clip(job: Job) -> dict[str, Any]:
@@ -221,6 +259,8 @@ SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
     "checkpoint_in_step": checkpoint_in_step,
     "accumulate": accumulate,
     "clip": clip,
+    "step_scheduler": step_scheduler,
+    "early_stop": early_stop,
     "resize_save": resize_save,
     "resize_resume": resize_resume,
     "fail": fail,

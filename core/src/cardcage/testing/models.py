@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from cardcage.callbacks import Callback
 from cardcage.plugins import manager as plugins
 from cardcage.plugins.spec import hookimpl
 
@@ -29,6 +30,10 @@ HIDDEN = 3
 SAMPLES, VAL_SAMPLES, UNEVEN_SAMPLES = 64, 32, 71
 #: How far apart the seeds of different ranks' models are (see :func:`seed_for_rank`).
 RANK_SEED_STEP = 1000
+#: ``step_lr``'s StepLR, stepped after every optimizer step: at every step, lr times 0.9 (so
+#: the learning rate after the last step tells a scheduler stepped even once too often or
+#: too rarely from the right one).
+STEP_LR_SIZE, STEP_LR_GAMMA = 1, 0.9
 
 
 class _Current(threading.local):
@@ -159,10 +164,18 @@ def make_net(seed: int) -> torch.nn.Sequential:
 
 
 def make_optimizers(net: torch.nn.Module, kind: str) -> tuple[list[Any], list[Any]]:
-    """The optimizers and schedulers of ``kind``: sgd (momentum), adam (with a StepLR), two."""
+    """The optimizers and schedulers of ``kind``: sgd (momentum), adam (with a StepLR each
+    epoch), two, step_lr (momentum SGD with a StepLR after every optimizer step: a scheduler
+    dict with ``"interval": "step"``)."""
     if kind == "adam":
         adam = torch.optim.Adam(net.parameters(), lr=0.01)
         return [adam], [torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)]
+    if kind == "step_lr":
+        sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(
+            sgd, step_size=STEP_LR_SIZE, gamma=STEP_LR_GAMMA
+        )
+        return [sgd], [{"scheduler": scheduler, "interval": "step"}]
     if kind == "two":
         first, second = net[0], net[2]  # type: ignore[index]
         return [
@@ -208,6 +221,8 @@ class KitModel(torch.nn.Module):
         # In a training process (after setup_process), or a caller checking a checkpoint.
         record("configure_optimizers", training=current.trainer is not None, kind=self.optimizer)
         optimizers, schedulers = make_optimizers(self.net, self.optimizer)
+        if schedulers and isinstance(schedulers[0], dict):  # Lightning 1.0's dict form
+            return {"optimizer": optimizers[0], "lr_scheduler": schedulers[0]}
         return (optimizers, schedulers) if schedulers else optimizers
 
 
@@ -221,6 +236,31 @@ class FailingModel(KitModel):
         if trainer is not None and trainer.accelerator.global_rank == 1 and batch_idx == 1:
             raise RuntimeError("injected failure on rank 1 at its second step")
         return super().training_step(batch, batch_idx)
+
+
+class RecordFitEnd(Callback):
+    """Traces, in every training process at the end of each fit, the rank's
+    ``global_step``, ``current_epoch`` and the learning rate of each of its optimizers'
+    parameter groups (event ``fit_end``): what the caller of a spawned run cannot see."""
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = trainer.optimization.optimizers
+        record(
+            "fit_end",
+            rank=trainer.global_rank,
+            global_step=trainer.global_step,
+            current_epoch=trainer.current_epoch,
+            lrs=[float(group["lr"]) for o in optimizers for group in o.param_groups],
+        )
+
+
+class StopOnLastRank(Callback):
+    """Asks to stop at the end of epoch 0 on the last rank only (global rank world size - 1);
+    the other ranks never ask. The loop must stop every rank there, together."""
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any, outputs: Any) -> None:
+        if trainer.current_epoch == 0 and trainer.global_rank == trainer.world_size - 1:
+            trainer.should_stop = True
 
 
 def loader(samples: int, batch_size: int, shuffle: bool = False, drop_last: bool = False) -> Any:

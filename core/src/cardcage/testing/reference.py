@@ -61,7 +61,14 @@ def global_batches(
         yield [(data.x[idx], data.y[idx]) for idx in step]
 
 
-def train(
+def train(model: torch.nn.Module, kind: str, **options: Any) -> int:
+    """Train ``model`` as the job's scenario would; returns the number of steps taken
+    (:func:`run`'s options)."""
+    steps, _ = run(model, kind, **options)
+    return steps
+
+
+def run(
     model: torch.nn.Module,
     kind: str,
     *,
@@ -75,16 +82,21 @@ def train(
     resize: tuple[int, int] | None = None,
     accumulate: int = 1,
     clip: tuple[str, float] | None = None,
-) -> int:
-    """Train ``model`` as the job's scenario would; returns the number of steps taken.
+) -> tuple[int, list[torch.optim.Optimizer]]:
+    """Train ``model`` as the job's scenario would; returns the number of steps taken and
+    the optimizers as they are after them.
 
     ``resize=(epoch, world)``: from that epoch on, train at that world size (a run resumed
     from an epoch's checkpoint by a job of another size). ``accumulate=N``: each optimizer
     step takes the gradients of N consecutive global batches, each loss divided by N (the
     last, shorter group of an epoch too, as Lightning 1.0 divides it). ``clip=(algorithm,
     value)``: before each step, each optimizer's gradients clipped by their total 2-norm
-    (``"norm"``) or element-wise (``"value"``)."""
-    optimizers, schedulers = make_optimizers(model, kind)  # type: ignore[arg-type]
+    (``"norm"``) or element-wise (``"value"``). A scheduler given as a dict with
+    ``"interval": "step"`` steps after every optimizer step; the others after each epoch
+    that ran to its end."""
+    optimizers, configured = make_optimizers(model, kind)  # type: ignore[arg-type]
+    per_step = [c["scheduler"] for c in configured if isinstance(c, dict)]
+    per_epoch = [c for c in configured if not isinstance(c, dict)]
     data = Regression(samples)
     limit = max_steps if max_steps is not None else math.inf
     last = epochs if epochs is not None else math.inf
@@ -106,13 +118,15 @@ def train(
             for optimizer in optimizers:
                 optimizer.step()
             step, taken = step + 1, taken + 1
+            for scheduler in per_step:
+                scheduler.step()
             if step >= limit:
                 break
         if step < limit or taken == len(steps):  # the epoch ran to its end
-            for scheduler in schedulers:
+            for scheduler in per_epoch:
                 scheduler.step()
         epoch += 1
-    return step
+    return step, optimizers
 
 
 def clip_gradients(optimizer: torch.optim.Optimizer, algorithm: str, value: float) -> None:
@@ -129,6 +143,17 @@ def weights(kind: str, *, seed: int = 0, **options: Any) -> list[float]:
     model = make_net(seed)
     train(model, kind, **options)
     return flat(model)
+
+
+def steps(kind: str, *, seed: int = 0, **options: Any) -> int:
+    """How many optimizer steps the plain loop takes (``train``'s options)."""
+    return train(make_net(seed), kind, **options)
+
+
+def learning_rates(kind: str, *, seed: int = 0, **options: Any) -> list[float]:
+    """The learning rate of each parameter group of each optimizer after the plain loop."""
+    _, optimizers = run(make_net(seed), kind, **options)
+    return [float(group["lr"]) for o in optimizers for group in o.param_groups]
 
 
 def state_elements(kind: str) -> int:

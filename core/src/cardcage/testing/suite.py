@@ -33,6 +33,8 @@ SCENARIOS = (
     "checkpoint_in_step",
     "accumulate",
     "clip",
+    "step_scheduler",
+    "early_stop",
 )
 #: Environments a selection is made in: plain, torchrun rank 1, SLURM, horovodrun, 2 nodes.
 ENVIRONMENTS: dict[str, dict[str, str]] = {

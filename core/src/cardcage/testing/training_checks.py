@@ -4,6 +4,7 @@ order) and the checks read what it left; a failing rank runs in a job of its own
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from cardcage.testing.job import (
     CLIP_ACCUMULATE,
     CLIP_NORM,
     CLIP_VALUE,
+    EARLY_STOP_EPOCHS,
     FITS,
     IN_STEP,
     RESIZE_CHECKPOINT,
@@ -69,7 +71,74 @@ def expected(scenario: str, world: int, batch: int) -> dict[str, list[float]]:
             "norm": reference.weights("sgd", accumulate=CLIP_ACCUMULATE, clip=norm, **two_epochs),
             "value": reference.weights("sgd", clip=("value", CLIP_VALUE), **two_epochs),
         }
+    if scenario == "step_scheduler":
+        return {"weights": reference.weights("step_lr", **two_epochs)}
+    if scenario == "early_stop":  # one epoch: the last rank's stop ends every rank's fit
+        return {"weights": reference.weights("sgd", epochs=1, **options)}
     raise KeyError(scenario)
+
+
+def fit_ends(job: JobOutput, scenario: str) -> dict[int, dict[str, Any]]:
+    """``{rank: event}``: the ``fit_end`` each training process of ``scenario``'s one fit
+    traced (:class:`~cardcage.testing.models.RecordFitEnd`), exactly one on each rank
+    0 .. world size - 1."""
+    world = job.launch.world_size
+    events = [
+        e
+        for trace in job.traces().values()
+        for e in trace
+        if e["event"] == "fit_end" and e["scenario"] == scenario
+    ]
+    ranks = sorted(e["rank"] for e in events)
+    assert ranks == list(range(world)), (
+        f"{scenario}: the training processes' fits ended on ranks {ranks}, not once on each "
+        f"rank 0 .. {world - 1}\n{job.output}"
+    )
+    return {e["rank"]: e for e in events}
+
+
+def assert_where_ranks_ended(job: JobOutput, scenario: str, batch: int) -> None:
+    """Where each rank's fit ended, for the scenarios that trace it: ``accumulate``, every
+    rank at the plain loop's number of optimizer steps; ``step_scheduler``, every rank at the
+    plain loop's learning rate after its last step; ``early_stop``, every rank at the steps
+    of exactly one epoch and at ``current_epoch`` 1 (one epoch done), though only the last
+    rank asked to stop. What the job's scripts report after fit (the caller of spawned
+    workers included) must say the same."""
+    world = job.launch.world_size
+    options: dict[str, Any] = {"batch": batch, "world": world}
+    if scenario == "accumulate":
+        kind, epochs = "sgd", {"accumulate": ACCUMULATE, "epochs": 2}
+    elif scenario == "step_scheduler":
+        kind, epochs = "step_lr", {"epochs": 2}
+    elif scenario == "early_stop":
+        kind, epochs = "sgd", {"epochs": 1}
+    else:
+        return
+    ended = fit_ends(job, scenario)
+    seen = {f"rank {r}": e for r, e in ended.items()}
+    seen |= {f"rank {r} after fit": e for r, e in job.results(scenario).items()}
+    steps = {where: e["global_step"] for where, e in seen.items()}
+    wanted = reference.steps(kind, **epochs, **options)
+    assert set(steps.values()) == {wanted}, (
+        f"{scenario}: the fits ended at global_step {steps}, not all at the plain loop's "
+        f"{wanted} optimizer steps"
+    )
+    if scenario == "step_scheduler":  # the same float arithmetic: no weight tolerance
+        lrs = reference.learning_rates(kind, **epochs, **options)
+        for rank, event in ended.items():
+            assert len(event["lrs"]) == len(lrs) and all(
+                math.isclose(a, b, rel_tol=1e-9) for a, b in zip(event["lrs"], lrs, strict=True)
+            ), (
+                f"{scenario}: rank {rank}'s learning rates after fit are {event['lrs']}, not "
+                f"the plain loop's {lrs} (its scheduler stepped after each of {wanted} "
+                "optimizer steps)"
+            )
+    if scenario == "early_stop":
+        current = {where: e["current_epoch"] for where, e in seen.items()}
+        assert set(current.values()) == {1}, (
+            f"{scenario}: the last rank asked to stop after epoch 0 of {EARLY_STOP_EPOCHS}, "
+            f"yet the fits ended at current_epoch {current}, not all at 1 (one epoch done)"
+        )
 
 
 #: What each checkpoint of the job holds: its scenario, and the plain loop that reaches it.
@@ -78,6 +147,10 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "max_steps.ckpt": ("max_steps", {"kind": "adam", "epochs": None, "max_steps": 5}),
     "in_step.ckpt": ("checkpoint_in_step", {"kind": "sgd", "epochs": 2, "max_steps": IN_STEP}),
 }
+
+#: What a training process traces of each fit, in this order (other events, such as a
+#: scenario's ``fit_end``, are no part of the lifecycle).
+PROCESS_LIFECYCLE = ("setup_process", "configure_optimizers", "teardown")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +192,12 @@ def traced_fits(
                 f"train once per fit ({fits} here)"
             )
             callers += bool(caller)
-            own = [e for e in events if e["event"] not in ("setup", "train")]
+            own = [e for e in events if e["event"] in PROCESS_LIFECYCLE]
             for at in range(0, len(own), 3):
                 triple = own[at : at + 3]
-                assert [e["event"] for e in triple] == [
-                    "setup_process",
-                    "configure_optimizers",
-                    "teardown",
-                ] and triple[0]["rank"] == triple[2]["rank"], (
+                assert [e["event"] for e in triple] == list(PROCESS_LIFECYCLE) and (
+                    triple[0]["rank"] == triple[2]["rank"]
+                ), (
                     f"{scenario}: process/thread {where} traced {names}: each fit it trains "
                     "runs setup_process, configure_optimizers and teardown, in that order"
                 )
@@ -253,6 +324,7 @@ class TrainingChecks(SuiteBase):
         for rank, result in results.items():
             for key, weights in wanted.items():
                 self.close(result[key], weights, f"{scenario} ({key}, rank {rank})")
+        assert_where_ranks_ended(kit_job, scenario, self.batch_size)
 
     def test_lifecycle(self, kit_job: JobOutput) -> None:
         """In every scenario that ran: setup then train once per fit in each caller; in
