@@ -17,7 +17,9 @@ horovodrun, two nodes) are explained or refused with a message, with the rank, w
 and rule each one calls for; and, for each launch, a job whose every rank (each built from
 its own seed) trains this backend like a plain PyTorch loop at batch = world size x
 per-process batch (SGD with momentum, Adam with a scheduler, shuffled or not, uneven
-data, ``drop_last``, two optimizers, ``max_steps`` mid-epoch), with the lifecycle in its
+data, ``drop_last``, two optimizers, ``max_steps`` mid-epoch, gradient accumulation,
+clipping, a step-interval scheduler, and an early stop asked by one rank that every rank
+obeys at the same step), with the lifecycle in its
 order, the user's model whole after ``fit``, validation reduced across ranks, checkpoints
 after fit, between steps
 and from inside ``training_step`` that load with ``weights_only=True``, record their step
