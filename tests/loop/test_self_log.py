@@ -325,3 +325,33 @@ def test_prog_bar_values_are_shown_in_the_bar(capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err.replace("\r", "\n")
     assert "seen=3" in err, err
     assert trainer.progress_bar_metrics == {"seen": 3.0}
+
+
+class EvalEndLogging(cardcage.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.layer(x).pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("v", float(batch_idx))
+
+    def on_validation_epoch_end(self) -> None:
+        # this run's mean is there already; what is logged here is this run's too
+        self.log("twice_v", 2 * float(self.trainer.callback_metrics["v"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_on_validation_epoch_end_sees_and_logs_this_validation(tmp_path: Path) -> None:
+    """Batches 0, 1, 2 of 2 samples log v = 0, 1, 2: v = 1; on_validation_epoch_end reads
+    that and logs 2, written with the validation's other values."""
+    trainer = cardcage.Trainer(max_epochs=1, logger=CSVLogger(tmp_path), progress_bar=False)
+    data = DataLoader(TensorDataset(torch.ones(6, 1)), batch_size=2)
+    trainer.fit(EvalEndLogging(), data, data)
+    assert float(trainer.callback_metrics["twice_v"]) == 2.0
+    assert trainer.logged_metrics["twice_v"] == 2.0 and trainer.logged_metrics["v"] == 1.0

@@ -4,7 +4,8 @@
 ``EarlyStopping`` ship with the core. The loop (``cardcage.train``) calls the hooks in
 :data:`~cardcage.callbacks.base.CALLBACK_HOOKS` that a callback overrides
 (:func:`~cardcage.callbacks.base.overridden`). This package imports nothing of
-``cardcage.train``: it sees the trainer through the attributes docs/callbacks.md lists.
+``cardcage.train``: it sees the trainer through the attributes that docs/training-loop.md
+("Callbacks") lists.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ NOT_CALLED: tuple[str, ...] = ("on_keyboard_interrupt",)
 
 
 class TrainerView(Protocol):
-    """What the shipped callbacks read of a trainer (see docs/callbacks.md)."""
+    """What the shipped callbacks read of a trainer (see docs/training-loop.md, "Callbacks")."""
 
     callback_metrics: Mapping[str, torch.Tensor]
     current_epoch: int

@@ -342,6 +342,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
         if not skip:
             trainer.epoch_rng = rng_state()
         model.train()
+        store.place = TRAIN_EPOCH  # what the epoch's start hooks log is the epoch's
         hooks("on_epoch_start")
         hooks("on_train_epoch_start")
         store.place = TRAIN_BATCH
@@ -631,7 +632,8 @@ def _start(
     hooks("on_pretrain_routine_start")
     hooks("on_pretrain_routine_end")
     sanity = trainer.flags.num_sanity_val_steps
-    if sanity and val_loaders and not trainer.flags.fast_dev_run and trainer.global_step == 0:
+    checked = sanity and val_loaders and trainer.flags.limit_val_batches != 0
+    if checked and not trainer.flags.fast_dev_run and trainer.global_step == 0:
         trainer.sanity_checking = True
         hooks("on_sanity_check_start")
         try:  # at most the batches limit_val_batches lets a validation run (Lightning 1.0)
@@ -859,16 +861,20 @@ def evaluate(
             }
         )
     reduced.update(store.close_epoch())
+    sanity_check = trainer.sanity_checking
+    if not sanity_check:  # on_*_epoch_end sees this run's means
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in reduced.items()})
+    hooks(f"{on}_epoch_end")
+    late = store.close_epoch()  # what on_*_epoch_end logged
     store.place = None
-    if trainer.sanity_checking:
-        hooks(f"{on}_epoch_end")
+    if sanity_check:
         hooks(f"{on}_end")
         return {}
-    trainer.callback_metrics.update({k: torch.tensor(v) for k, v in reduced.items()})
+    reduced.update(late)
+    trainer.callback_metrics.update({k: torch.tensor(v) for k, v in late.items()})
     if reduced:
         at = max(trainer.global_step - 1, 0)
         write_metrics(trainer, {**reduced, "epoch": float(trainer.current_epoch)}, at)
-    hooks(f"{on}_epoch_end")
     hooks(f"{on}_end")
     return reduced
 
