@@ -232,3 +232,38 @@ def test_check_without_a_registry_checks_the_form_only(tmp_path: Path) -> None:
     with pytest.raises(cardcage.MisconfigurationError, match=r"default_root_dir is not set"):
         check("anything", None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fit_writes_to_the_plugin_logger_its_name_selects(
+    tmp_path: Path, inprocess_plugins: Register
+) -> None:
+    """``Trainer(logger="memory")`` end to end: the registered class is built and the fit's
+    step and epoch values reach it; ``select`` refuses a misspelt name as the Trainer does."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    inprocess_plugins(logger_plugin(MemoryLogger), "memory_logger")
+
+    class Logs(cardcage.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("train_loss", loss, on_epoch=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = cardcage.Trainer(
+        logger="memory", default_root_dir=str(tmp_path), log_every_n_steps=2, progress_bar=False
+    )
+    assert isinstance(trainer.logger, MemoryLogger)
+    trainer.fit(Logs(), DataLoader(TensorDataset(torch.ones(8, 1)), batch_size=2))
+    steps = [step for step, _ in trainer.logger.rows]
+    assert steps == [1, 3, 3], trainer.logger.rows  # every 2nd step, then the epoch's mean
+    assert "train_loss_epoch" in trainer.logger.rows[-1][1]
+    with pytest.raises(cardcage.MisconfigurationError, match="memroy"):
+        cardcage.select(logger="memroy", default_root_dir=str(tmp_path))
