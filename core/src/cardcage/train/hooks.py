@@ -14,51 +14,28 @@ from typing import Any
 
 import torch
 
-#: Hooks a model defines (called when defined), besides the callbacks' hooks.
-MODEL_HOOKS = (
-    "setup",
-    "on_fit_start",
-    "on_pretrain_routine_start",
-    "on_pretrain_routine_end",
-    "on_train_start",
-    "on_epoch_start",
-    "on_train_epoch_start",
-    "on_train_batch_start",
+from cardcage.callbacks import CALLBACK_HOOKS, INIT_HOOKS, STATE_HOOKS, overridden
+
+#: Hooks only a model has (the callbacks' are :data:`cardcage.callbacks.CALLBACK_HOOKS`,
+#: which a model may define too, but for :data:`CALLBACK_ONLY`).
+MODEL_ONLY = (
     "training_step",
     "training_step_end",
-    "on_before_zero_grad",
     "backward",
-    "on_after_backward",
     "optimizer_step",
-    "on_train_batch_end",
     "training_epoch_end",
-    "on_validation_epoch_start",
-    "on_validation_batch_start",
     "validation_step",
     "validation_step_end",
-    "on_validation_batch_end",
     "validation_epoch_end",
-    "on_validation_epoch_end",
-    "on_train_epoch_end",
-    "on_epoch_end",
-    "on_train_end",
-    "on_fit_end",
-    "teardown",
-    "on_test_epoch_start",
-    "on_test_batch_start",
     "test_step",
     "test_step_end",
-    "on_test_batch_end",
     "test_epoch_end",
-    "on_test_epoch_end",
     "predict_step",
     "configure_optimizers",
     "train_dataloader",
     "val_dataloader",
     "test_dataloader",
     "predict_dataloader",
-    "on_save_checkpoint",
-    "on_load_checkpoint",
 )
 
 #: Hooks called on callbacks only (Lightning 1.0's base module lacked them).
@@ -76,7 +53,7 @@ CALLBACK_ONLY = (
 )
 
 #: Every hook name the loop may call, for the one-edit-away check.
-ALL_HOOKS = frozenset(MODEL_HOOKS + CALLBACK_ONLY)
+ALL_HOOKS = frozenset(CALLBACK_HOOKS + INIT_HOOKS + STATE_HOOKS + MODEL_ONLY)
 
 
 class Hooks:
@@ -89,18 +66,17 @@ class Hooks:
         self._callbacks = list(callbacks)
         self._cache: dict[str, Callable[..., Any] | None] = {}
 
-    def get(self, name: str, *, model: bool = True) -> Callable[..., Any] | None:
+    def get(self, name: str) -> Callable[..., Any] | None:
         """One callable running every implementation of ``name``, or None when there is
-        none; ``model=False`` leaves out the model's (the loop calls it itself)."""
-        key = name if model else f"{name}/callbacks"
-        if key in self._cache:
-            return self._cache[key]
+        none."""
+        if name in self._cache:
+            return self._cache[name]
         calls: list[Callable[..., Any]] = [
             functools.partial(getattr(cb, name), self._trainer, self._model)
             for cb in self._callbacks
-            if _overridden(cb, name)
+            if overridden(cb, name)
         ]
-        own = getattr(self._model, name, None) if model and name not in CALLBACK_ONLY else None
+        own = getattr(self._model, name, None) if name not in CALLBACK_ONLY else None
         if callable(own):
             calls.append(own)
         found: Callable[..., Any] | None
@@ -118,7 +94,7 @@ class Hooks:
                     returned = call(*args, **kwargs)
                 return returned
 
-        self._cache[key] = found
+        self._cache[name] = found
         return found
 
     def __call__(self, name: str, *args: Any, **kwargs: Any) -> None:
@@ -126,18 +102,6 @@ class Hooks:
         call = self.get(name)
         if call is not None:
             call(*args, **kwargs)
-
-
-def _overridden(callback: Any, name: str) -> bool:
-    """Whether ``callback``'s class defines ``name`` below ``cardcage.Callback`` (whose
-    hooks do nothing); any callable of that name on another object."""
-    method = getattr(type(callback), name, None)
-    if method is None:
-        return False
-    for klass in type(callback).__mro__:
-        if name in vars(klass):
-            return getattr(klass, "__module__", "") != "cardcage.callbacks.base"
-    return callable(method)
 
 
 _warned: set[tuple[type, str]] = set()
