@@ -44,21 +44,26 @@ class DataParallelAccelerator(Accelerator):
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         return 1
 
-    def setup_process(self, trainer: Any) -> None:
+    def setup_environment(self) -> None:
         gpu_ids = self.selection.gpu_ids
         assert gpu_ids, "selection gave the dp backend no GPU"
         torch.cuda.set_device(gpu_ids[0])
         self.device = torch.device("cuda", gpu_ids[0])
-        trainer.model.to(self.device)
-        super().setup_process(trainer)
+        super().setup_environment()
         self.precision.check_device()
         # DataParallel scatters the batch from wherever it is; only a float64 run casts.
         self.moves_batches = self.precision.dtype is not None
-        self.parallel = torch.nn.DataParallel(
-            StepRunner(trainer.model, self.precision.autocast), device_ids=gpu_ids
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on the root GPU, run in DataParallel replicas across the others."""
+        model.to(self.device)
+        model = super().setup_module(model)
+        return torch.nn.DataParallel(
+            StepRunner(model, self.precision.autocast), device_ids=self.selection.gpu_ids
         )
 
     def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
+        assert self.parallel is not None, "setup_process wraps the model first"
         return data_parallel_step(self.parallel, model, name)
 
     def on_epoch_end(self, trainer: Any) -> None:

@@ -150,13 +150,22 @@ class FSDPAccelerator(DistributedAccelerator):
 
     # -- each rank ------------------------------------------------------------------------
 
-    def setup_process(self, trainer: TrainerProtocol) -> None:
-        """DistributedAccelerator's setup (ranks, device, process group, placement,
-        precision), which shards a copy of the model in :meth:`wrap`; the copy trains."""
-        self.user_model = trainer.model
-        super().setup_process(trainer)
-        assert self.parallel is not None
-        trainer.model = self.parallel  # configure_optimizers then sees the sharded parameters
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """DistributedAccelerator's placement and precision, then :meth:`wrap`, which
+        shards a copy of ``model``: the copy trains (the Trainer's ``configure_optimizers``
+        sees its parameters; a Cage rebuilds optimizers over them)."""
+        self.user_model = model
+        return super().setup_module(model)
+
+    def sharded_model(self, trainer: TrainerProtocol) -> torch.nn.Module:
+        """The sharded module whose state is ``trainer``'s: ``trainer.model`` while it trains
+        (each module a Cage set up comes as one), else the copy the last fit trained."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(trainer.model, FSDPModule):
+            return trainer.model
+        assert self.sharded is not None, "no module was sharded in this process"
+        return self.sharded
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """A copy of ``model``, sharded; ``model`` itself gives its memory back (meta
@@ -218,24 +227,24 @@ class FSDPAccelerator(DistributedAccelerator):
 
     # -- state ----------------------------------------------------------------------------
 
-    def parameter_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
-        assert self.sharded is not None
-        named = {id(p): n for n, p in self.sharded.named_parameters()}
+    @staticmethod
+    def parameter_names(sharded: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        named = {id(p): n for n, p in sharded.named_parameters()}
         return [named[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
     def gather_state(self, trainer: TrainerProtocol) -> dict[str, Any] | None:
         """The full model and optimizer state, gathered on rank 0 (every rank must call)."""
         from torch.distributed.checkpoint import state_dict as sd
 
-        assert self.sharded is not None
+        sharded = self.sharded_model(trainer)
         options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model = sd.get_model_state_dict(self.sharded, options=options)
+        model = sd.get_model_state_dict(sharded, options=options)
         optimizers = []
         for optimizer in trainer.optimization.optimizers:
             if not optimizer.state:  # before the first step: FSDP would make up a state
                 optimizers.append(optimizer.state_dict())
                 continue
-            state = sd.get_optimizer_state_dict(self.sharded, optimizer, options=options)
+            state = sd.get_optimizer_state_dict(sharded, optimizer, options=options)
             optimizers.append(by_position(state) if state else state)
         # Ranks other than 0 drop what they gathered; all leave the gather together.
         self.barrier("gather_state")
@@ -245,19 +254,19 @@ class FSDPAccelerator(DistributedAccelerator):
         """Each rank takes its shard of the full (or, from a folder, sharded) state."""
         from torch.distributed.checkpoint import state_dict as sd
 
-        assert self.sharded is not None
+        sharded = self.sharded_model(trainer)
         options = sd.StateDictOptions(full_state_dict=not state.get("sharded", False))
-        sd.set_model_state_dict(self.sharded, state["state_dict"], options=options)
+        sd.set_model_state_dict(sharded, state["state_dict"], options=options)
         for optimizer, saved in zip(
             trainer.optimization.optimizers, state["optimizers"], strict=True
         ):
             if not saved["state"]:
                 optimizer.load_state_dict(saved)  # hyperparameters only
             elif state.get("sharded"):
-                sd.set_optimizer_state_dict(self.sharded, optimizer, saved, options=options)
+                sd.set_optimizer_state_dict(sharded, optimizer, saved, options=options)
             else:
-                named = by_name(saved, self.parameter_names(optimizer))
-                sd.set_optimizer_state_dict(self.sharded, optimizer, named, options=options)
+                named = by_name(saved, self.parameter_names(sharded, optimizer))
+                sd.set_optimizer_state_dict(sharded, optimizer, named, options=options)
 
     def sharded_state(self, optimizers: dict[int, torch.optim.Optimizer]) -> dict[str, Any]:
         """This rank's shards: the model's and those of ``optimizers`` (by index)."""

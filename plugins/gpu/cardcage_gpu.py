@@ -48,15 +48,18 @@ class GPUAccelerator(Accelerator):
     def processes_per_node(cls, ctx: SelectionContext) -> int:
         return 1
 
-    def setup_process(self, trainer: Any) -> None:
+    def setup_environment(self) -> None:
         root = self.selection.root_gpu
         assert root is not None, "selection gave the gpu backend no GPU"
         torch.cuda.set_device(root)
         self.device = torch.device("cuda", root)
-        trainer.model.to(self.device)
-        super().setup_process(trainer)  # precision for the device type, float64 cast
+        super().setup_environment()  # precision for the device type
         self.precision.check_device()
         self.moves_batches = True
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.to(self.device)
+        return super().setup_module(model)  # the float64 cast
 
     def on_epoch_end(self, trainer: Any) -> None:
         metrics = gpu_memory_metrics(trainer.flags.log_gpu_memory, self.selection.gpu_ids)

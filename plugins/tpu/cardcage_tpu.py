@@ -130,7 +130,7 @@ class TPUAccelerator(EngineStrategy, Accelerator):
         #: Whether gradients are accumulated over several programs (see reduce_gradients).
         self.copy_gradients = False
 
-    def setup_process(self, trainer: Any) -> None:
+    def setup_environment(self) -> None:
         import torch_xla
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
@@ -161,10 +161,13 @@ class TPUAccelerator(EngineStrategy, Accelerator):
             self.device = torch_xla.device(index)
             self.global_rank = self.local_rank = 0
             self.world_size = 1
-        trainer.model.to(self.device)
-        super().setup_process(trainer)
+        super().setup_environment()
         self.moves_batches = True
-        self.copy_gradients = getattr(trainer.flags, "accumulate_grad_batches", 1) > 1
+        self.copy_gradients = getattr(self.selection.flags, "accumulate_grad_batches", 1) > 1
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.to(self.device)
+        return super().setup_module(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         try:
@@ -181,13 +184,13 @@ class TPUAccelerator(EngineStrategy, Accelerator):
 
     def clip_gradients(
         self, optimizer: torch.optim.Optimizer, value: float, algorithm: str
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Average the gradients over the replicas first (which ``optimizer_step`` then does
         not repeat), then clip them as the default does: the norm is that of the averaged
         gradients, as in one process."""
         self.reduce_gradients(optimizer)
         self.reduced.add(id(optimizer))
-        super().clip_gradients(optimizer, value, algorithm)
+        return super().clip_gradients(optimizer, value, algorithm)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Average the gradients over the replicas (unless ``clip_gradients`` did), then step:

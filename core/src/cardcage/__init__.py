@@ -24,6 +24,7 @@ from cardcage.errors import (
 )
 from cardcage.plugins.spec import hookimpl
 from cardcage.selection.engine import select
+from cardcage.train.cage import Cage
 from cardcage.train.module import Module
 from cardcage.train.seeding import seed_everything
 from cardcage.train.trainer import Trainer
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Accelerator",
     "Availability",
+    "Cage",
     "Callback",
     "CheckpointError",
     "MisconfigurationError",

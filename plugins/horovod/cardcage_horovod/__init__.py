@@ -181,8 +181,8 @@ class HorovodAccelerator(Accelerator):
 
     # -- each rank ------------------------------------------------------------------------
 
-    def setup_process(self, trainer: TrainerProtocol) -> None:
-        """``hvd.init()``, this rank's device (or share of the cores), rank 0's weights."""
+    def setup_environment(self) -> None:
+        """``hvd.init()``, this rank's device (or share of the cores), the precision."""
         hvd = _hvd()
         hvd.init()
         self.global_rank, self.local_rank = hvd.rank(), hvd.local_rank()
@@ -193,13 +193,18 @@ class HorovodAccelerator(Accelerator):
             self.moves_batches = True
         elif self.local_world_size > 1:
             share_cpu_threads(self.local_world_size, self.local_rank)
-        if trainer.flags.sync_batchnorm:
-            trainer.model = convert_batchnorm(trainer.model, hvd.SyncBatchNorm)
-        trainer.model.to(self.device)
-        super().setup_process(trainer)
+        super().setup_environment()
         if self.device.type == "cuda":
             self.precision.check_device()
-        hvd.broadcast_parameters(trainer.model.state_dict(), root_rank=0)
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Horovod's sync batch-norm, placement, precision, and rank 0's weights."""
+        if self.selection.flags.sync_batchnorm:
+            model = convert_batchnorm(model, _hvd().SyncBatchNorm)
+        model.to(self.device)
+        model = super().setup_module(model)
+        _hvd().broadcast_parameters(model.state_dict(), root_rank=0)
+        return model
 
     def setup_optimizers(self, trainer: TrainerProtocol) -> None:
         """Scale the learning rates; give each optimizer rank 0's settings and Horovod's wrapper."""
@@ -221,7 +226,7 @@ class HorovodAccelerator(Accelerator):
                 optimizer, named_parameters=named, backward_passes_per_step=passes
             )
 
-        self.distributed_optimizers = trainer.optimization.wrap(distributed)
+        self.distributed_optimizers += trainer.optimization.wrap(distributed)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward, then wait for the averaged gradients of every optimizer; inside

@@ -24,13 +24,12 @@ from cardcage.backend.launch import error_files, rendezvous, watchdog
 from cardcage.backend.launch.launcher import Launcher, ScriptLauncher
 from cardcage.backend.strategy import group_exit
 from cardcage.backend.strategy.samplers import distributed_loader
-from cardcage.backend.strategy.step_runner import StepRunner
+from cardcage.backend.strategy.step_runner import CALL, StepRunner
 from cardcage.config import variables
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from cardcage.backend.trainer_protocol import TrainerProtocol as Trainer
 
 __all__ = [
     "DistributedAccelerator",
@@ -179,9 +178,8 @@ class DistributedAccelerator(Accelerator):
             backend,
         )
 
-    def setup_process(self, trainer: Trainer) -> None:
-        """Ranks from the launcher, the device, threads, the process group, then the model:
-        sync batch-norm, placement, precision, and ``self.parallel = self.wrap(model)``."""
+    def setup_environment(self) -> None:
+        """Ranks from the launcher, the device, threads, the process group, the precision."""
         self.read_rank_environment()
         self.device = self.device_for_rank()
         if self.device.type == "cuda":
@@ -190,16 +188,17 @@ class DistributedAccelerator(Accelerator):
         else:
             share_cpu_threads(self.local_world_size, self.local_rank)
         self.init_process_group()
-        model = trainer.model
-        if trainer.flags.sync_batchnorm:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
-            trainer.model = model
-        model.to(self.device)
-        super().setup_process(trainer)
+        super().setup_environment()
         if self.device.type == "cuda":
             self.precision.check_device()
-            self.moves_batches = True
-        self.parallel = self.wrap(model)
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Sync batch-norm, placement, precision, then :meth:`wrap`."""
+        if self.selection.flags.sync_batchnorm:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+        model.to(self.device)
+        model = super().setup_module(model)
+        return self.wrap(model)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module whose forward runs a step and synchronises gradients.
@@ -217,11 +216,11 @@ class DistributedAccelerator(Accelerator):
 
     def step_function(self, model: torch.nn.Module, name: str) -> Callable[..., Any]:
         parallel = self.parallel
-        if name != "training_step" or parallel is None:
+        if name not in ("training_step", CALL) or parallel is None:
             return super().step_function(model, name)  # no gradients to synchronise
 
-        def step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
-            return parallel(name, batch, batch_idx, *args, **kwargs)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return parallel(name, *args, **kwargs)
 
         return step
 
@@ -247,6 +246,13 @@ class DistributedAccelerator(Accelerator):
         holder = [obj]
         dist.broadcast_object_list(holder, src=src)
         return holder[0]
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not dist.is_initialized():
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts)
 
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         if not dist.is_initialized():

@@ -63,7 +63,15 @@ class TrainerProtocol(Protocol):
     @property
     def accelerator(self) -> ProcessPlace: ...
 
-    def run_fit_loop(self) -> Any: ...
+    def run_fit_loop(self) -> Any:
+        """The job's work in this training process: the Trainer's fit loop, or the function
+        a :class:`cardcage.Cage` launches. Launchers call it once in every training process."""
+
+    def pickled_parts(self) -> dict[str, Any]:
+        """The job's parts a worker launcher pickles, by label (``model``,
+        ``train_dataloader``...; a Cage's ``fn`` and arguments), for its message when one
+        cannot be pickled."""
+
     def attach(self) -> None: ...
     def checkpoint_state(self) -> dict[str, Any] | None: ...
     def loop_state(self) -> dict[str, Any]: ...

@@ -74,6 +74,7 @@ INTERNAL: tuple[str, ...] = (
     # the folder of the ranks' progress counts (cardcage.backend.launch.watchdog)
     "CARDCAGE_HEARTBEAT",
     "CARDCAGE_RUN_ID",  # the fit a started process belongs to (cardcage.backend.launch.restarts)
+    "CARDCAGE_RESTARTS",  # the restart a started process is on (cardcage.backend.launch.restarts)
     "CARDCAGE_SUBMIT_RUN",  # the run a job submitted by cardcage-submit belongs to
     "CARDCAGE_TEST_*",  # the conformance kit's and the tests' own
     "CARDCAGE_KIT_*",

@@ -534,6 +534,12 @@ class Trainer:
         assert self._registry is not None
         return self._registry.hooks
 
+    def pickled_parts(self) -> dict[str, Any]:
+        """The parts of the job a worker launcher pickles (for its message when one cannot be)."""
+        parts = {"model": self.model, "train_dataloader": self.train_dataloader}
+        parts.update({f"val_dataloaders[{i}]": v for i, v in enumerate(self.val_dataloaders)})
+        return parts
+
     def attach(self) -> None:
         """Reconnect a trainer that arrived in a new process to this process's plugins."""
         if self._registry is None:

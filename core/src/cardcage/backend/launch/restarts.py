@@ -50,6 +50,8 @@ LAST = "last.ckpt"
 CHECKPOINT_DIR = "CARDCAGE_CHECKPOINT_DIR"
 #: The checkpoint a restarted attempt resumes from (for processes that re-run the script).
 RESTART_FROM = "CARDCAGE_RESTART_FROM"
+#: How many restarts the processes a restart starts are on (for a Cage's ``restarts``).
+RESTARTS = "CARDCAGE_RESTARTS"
 #: Variables by which a cluster says this process is a restart of the job.
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 #: The ``fit`` a started process belongs to (set by ``fit`` for the processes it starts).
@@ -213,17 +215,19 @@ def _folder_for(trainer: Trainer) -> Iterator[Path | None]:
 
 @contextlib.contextmanager
 def _restart_from_restored() -> Iterator[None]:
-    """``CARDCAGE_RESTART_FROM`` as it was before this ``fit``: a restart sets it for the
-    processes it starts again, and it must not outlive them (the next Trainer of the script
-    would resume from it, or find it gone with the temporary folder)."""
-    before = os.environ.get(RESTART_FROM)
+    """``CARDCAGE_RESTART_FROM`` and ``CARDCAGE_RESTARTS`` as they were before this ``fit``:
+    a restart sets them for the processes it starts again, and they must not outlive them
+    (the next Trainer of the script would resume from it, or find it gone with the
+    temporary folder)."""
+    before = {name: os.environ.get(name) for name in (RESTART_FROM, RESTARTS)}
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(RESTART_FROM, None)
-        else:
-            os.environ[RESTART_FROM] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def launch(launcher: Launcher, trainer: Trainer) -> Any:
@@ -254,6 +258,7 @@ def launch(launcher: Launcher, trainer: Trainer) -> Any:
                             raise _spent(error, trainer.restarts) from None
                         raise
                     trainer.restarts += 1
+                    os.environ[RESTARTS] = str(trainer.restarts)  # relaunched processes
                     launcher.reset()
                     sys.excepthook = hook
                     if folder is not None:  # what a rank killed mid-write left

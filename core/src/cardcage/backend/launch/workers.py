@@ -154,9 +154,7 @@ def pickle_job(trainer: Trainer, dumps: Callable[[Any], bytes], setting: str, hi
     try:
         return dumps(trainer)
     except Exception:
-        parts = {"model": trainer.model, "train_dataloader": trainer.train_dataloader}
-        parts.update({f"val_dataloaders[{i}]": v for i, v in enumerate(trainer.val_dataloaders)})
-        for label, value in parts.items():
+        for label, value in trainer.pickled_parts().items():
             try:
                 dumps(value)
             except Exception as error:
@@ -169,15 +167,18 @@ def pickle_job(trainer: Trainer, dumps: Callable[[Any], bytes], setting: str, hi
 
 
 def modules_by_value(trainer: Trainer) -> list[ModuleType]:
-    """Modules of the model's, the loaders' and the datasets' classes that a worker which
-    does not run the caller's script could not import by name (loaded from a file path, or
+    """Modules of the job's parts (the model's, the loaders' and the datasets' classes; a
+    Cage's function) that a worker which does not run the caller's script could not import
+    by name (loaded from a file path, or
     from a folder only the caller has on its path). ``__main__`` is not listed: cloudpickle
     always carries it by value."""
-    loaders = [trainer.train_dataloader, *trainer.val_dataloaders]
-    objects = [trainer.model, *loaders, *(getattr(loader, "dataset", None) for loader in loaders)]
+    parts = list(trainer.pickled_parts().values())
+    objects = [*parts, *(getattr(part, "dataset", None) for part in parts)]
     found: list[ModuleType] = []
     for obj in objects:
-        module = sys.modules.get(type(obj).__module__)
+        # a function's own module (a Cage's fn), else the module of the object's class
+        name = obj.__module__ if callable(obj) and hasattr(obj, "__code__") else None
+        module = sys.modules.get(name or type(obj).__module__)
         if module is None or module.__name__ == "__main__" or module in found:
             continue
         top = module.__name__.partition(".")[0]

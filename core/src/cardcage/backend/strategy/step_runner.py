@@ -13,9 +13,14 @@ from typing import Any
 
 import torch
 
+#: The step name under which :class:`StepRunner` calls the module itself with the caller's
+#: arguments (a :class:`cardcage.Cage` user's ``model(x, ...)``).
+CALL = "__call__"
+
 
 class StepRunner(torch.nn.Module):
-    """``forward(name, batch, batch_idx, ...)`` → ``module.<name>(batch, batch_idx, ...)``.
+    """``forward(name, batch, batch_idx, ...)`` → ``module.<name>(batch, batch_idx, ...)``;
+    ``forward(CALL, *args, **kwargs)`` → ``module(*args, **kwargs)``.
 
     ``autocast``, when given, is entered inside ``forward``: autocast state is thread-local
     and DataParallel runs each replica in its own thread.
@@ -26,14 +31,23 @@ class StepRunner(torch.nn.Module):
         self.module = module
         self.autocast = autocast
 
-    def forward(self, name: str, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
-        step = getattr(self.module, name)
-        if name == "forward":  # the model's own forward (a prediction without predict_step)
-            args, kwargs, step = (), {}, _batch_only(step)
+    def forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == CALL:
+            step: Callable[..., Any] = self.module
+        elif name == "forward":  # the model's own forward (a prediction without predict_step)
+            args, kwargs, step = args[:2], {}, _batch_only(self.module.forward)
+        else:
+            step = getattr(self.module, name)
         if self.autocast is None:
-            return step(batch, batch_idx, *args, **kwargs)
+            return step(*args, **kwargs)
         with self.autocast():
-            return step(batch, batch_idx, *args, **kwargs)
+            return step(*args, **kwargs)
+
+
+def runs_steps(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs a :class:`StepRunner` (itself, or the module it wraps), so that
+    it is called as ``module(name, *args)``."""
+    return isinstance(module, StepRunner) or isinstance(getattr(module, "module", None), StepRunner)
 
 
 def _batch_only(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,7 +117,7 @@ def data_parallel_step(
     reduce_end = getattr(model, f"{name}_end", None)
     replicas = len(getattr(parallel, "device_ids", None) or ()) or 1
 
-    if name in ("predict_step", "forward"):  # predictions: per sample, as gathered
+    if name in ("predict_step", "forward", CALL):  # per sample, as gathered
 
         def predict(batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
             return parallel(name, batch, batch_idx, *args, **kwargs)

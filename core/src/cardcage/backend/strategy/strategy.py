@@ -23,6 +23,7 @@ import torch
 
 from cardcage.backend.strategy.precision import Precision
 from cardcage.backend.strategy.samplers import distributed_loader
+from cardcage.backend.strategy.step_runner import StepRunner
 from cardcage.checkpoints import io as checkpoint
 
 if TYPE_CHECKING:
@@ -39,6 +40,9 @@ class Strategy:
     device: torch.device
     #: Whether batches need ``batch_to_device`` (False lets the loop skip the call).
     moves_batches: bool = False
+    #: What the Trainer's steps run through: the module :meth:`setup_module` returned for
+    #: the Trainer's model when it is not the model itself (a wrapper, a sharded copy).
+    parallel: torch.nn.Module | None = None
 
     def __init__(self, selection: Selection):
         self.selection = selection
@@ -73,18 +77,49 @@ class Strategy:
 
     # -- setting up and tearing down this process ----------------------------------------------
 
+    def setup_environment(self) -> None:
+        """Join the job: this process's ranks, device, threads and process group (or engine),
+        and the precision for ``self.device``.
+
+        Called once in every training process, before any module is set up: by the Trainer's
+        :meth:`setup_process`, and by :class:`cardcage.Cage` before the user's function runs.
+        The default (one process on the CPU) sets the precision; subclasses join their job
+        and set ``self.device`` first, then call ``super().setup_environment()``.
+        """
+        self.precision = Precision(self.selection.flags.precision, self.device.type)
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Place ``model`` on this backend and return the module that trains it.
+
+        Called after :meth:`setup_environment`, once per module: the Trainer's model, or
+        each module a :class:`cardcage.Cage` user sets up. What it returns is ``model``
+        itself, a wrapper that runs it (``DistributedDataParallel(StepRunner(model))``, whose
+        ``forward(name, ...)`` runs ``model.<name>(...)``), or a module that replaces it (a
+        sharded copy). The default casts the model at precision 64; subclasses move it to
+        ``self.device`` first (and convert, wrap or shard it), calling
+        ``super().setup_module(model)`` for the cast.
+        """
+        if self.precision.dtype is not None:
+            model.to(self.precision.dtype)
+            self.moves_batches = True
+        return model
+
     def setup_process(self, trainer: Trainer) -> None:
-        """Set up this training process: join the job, place the model, set the precision.
+        """Set up this training process for the Trainer: :meth:`setup_environment`, then
+        :meth:`setup_module` of ``trainer.model``.
 
         Called once in every process that trains, through the ``cardcage_setup_process``
-        hook, before ``configure_optimizers``. The default sets the precision for
-        ``self.device`` (at 64 it casts the model); subclasses place the model first and
-        then call ``super().setup_process(trainer)``.
+        hook, before ``configure_optimizers``. Afterwards ``trainer.model`` is the module
+        that trains (the one a wrapper runs, or the replacement :meth:`setup_module`
+        returned) and :attr:`parallel` the wrapper or replacement (``None`` when the model
+        trains as it is). A backend overrides the two methods it calls, not this one, so
+        that a :class:`cardcage.Cage` sets it up the same way.
         """
-        self.precision = Precision(trainer.flags.precision, self.device.type)
-        if self.precision.dtype is not None:
-            trainer.model.to(self.precision.dtype)
-            self.moves_batches = True
+        self.setup_environment()
+        model = trainer.model
+        trained = self.setup_module(model)
+        self.parallel = None if trained is model else trained
+        trainer.model = trained_module(trained)
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         """Adapt ``trainer.optimization`` after ``configure_optimizers`` (e.g. wrap them)."""
@@ -144,7 +179,7 @@ class Strategy:
 
     def clip_gradients(
         self, optimizer: torch.optim.Optimizer, value: float, algorithm: str
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Clip the gradients of ``optimizer``'s parameters in place.
 
         Called by the loop for each optimizer when ``gradient_clip_val > 0``: after the
@@ -153,19 +188,21 @@ class Strategy:
         and already synchronized across processes. ``algorithm`` ``"norm"`` scales them so
         that their total 2-norm (over every parameter of ``optimizer``; a sharded backend
         computes it across shards) is at most ``value``; ``"value"`` clamps each element to
-        ``[-value, value]``. Parameters without a gradient are left out.
+        ``[-value, value]``. Parameters without a gradient are left out. Returns the total
+        norm before clipping for ``"norm"`` (a Cage user's ``clip_gradients`` returns it),
+        else None.
         """
         parameters = [
             p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
         ]
         if not parameters:
-            return
+            return None
         if algorithm == "norm":
-            torch.nn.utils.clip_grad_norm_(parameters, value)
-        elif algorithm == "value":
+            return torch.nn.utils.clip_grad_norm_(parameters, value)
+        if algorithm == "value":
             torch.nn.utils.clip_grad_value_(parameters, value)
-        else:
-            raise ValueError(f"gradient_clip_algorithm={algorithm!r}: use 'norm' or 'value'")
+            return None
+        raise ValueError(f"gradient_clip_algorithm={algorithm!r}: use 'norm' or 'value'")
 
     def read(self, tensor: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``tensor``, for the loop to look at a value in the middle of a step
@@ -199,6 +236,19 @@ class Strategy:
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """``tensor`` reduced over every process (``"mean"`` or ``"sum"``)."""
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's ``tensor`` (the same shape on each), stacked in rank order:
+        ``(world_size, *tensor.shape)``. The default places this rank's tensor in zeros and
+        sums them with :meth:`reduce`, which every backend has; a backend with a gather of
+        its own overrides it."""
+        if self.world_size <= 1:
+            return tensor.unsqueeze(0)
+        gathered = torch.zeros(
+            (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
+        gathered[self.global_rank] = tensor
+        return self.reduce(gathered, "sum")
 
     # -- state that leaves or enters the process ----------------------------------------------
 
@@ -269,6 +319,15 @@ class Strategy:
         (XLA's) moves them to the CPU here.
         """
         return obj
+
+
+def trained_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module that :meth:`Strategy.setup_module`'s result trains: the model a
+    :class:`StepRunner` inside it runs (``StepRunner``, ``DataParallel(StepRunner)``,
+    ``DistributedDataParallel(StepRunner)``), else ``module`` itself."""
+    inner = getattr(module, "module", None)
+    runner = inner if isinstance(inner, StepRunner) else module
+    return runner.module if isinstance(runner, StepRunner) else module
 
 
 def move_to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:

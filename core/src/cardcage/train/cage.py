@@ -1,0 +1,887 @@
+"""``cardcage.Cage``: the cards for a training loop the user writes.
+
+The Cage takes the Trainer's backend flags, makes the same selection, starts the processes
+with the same launcher (through the ``cardcage_setup`` and ``cardcage_train`` hooks, with
+restarts, the stuck-rank watcher and the first failure named), and in each of them drives the
+backend's own per-process strategy: ``setup_environment`` before the user's function,
+``setup_module`` for each module it sets up, ``setup_optimizers``, ``process_dataloader``,
+``backward``, ``skip_gradient_sync``, ``clip_gradients``, ``optimizer_step``, the collectives,
+``gather_state``/``restore_state`` for checkpoints and ``teardown``. A backend implements
+that work once; the Trainer's loop and the Cage both call it.
+
+Where the backend changes nothing (one process on the CPU at precision 32), ``setup`` returns
+the user's own module, optimizers and loaders, so the loop runs exactly the plain loop's code.
+The whole API is described in docs/own-loop.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import io
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from cardcage import devices
+from cardcage.backend.accelerator import Accelerator
+from cardcage.backend.launch import rendezvous
+from cardcage.backend.launch.error_files import record_fit_finished
+from cardcage.backend.launch.launcher import InProcessLauncher
+from cardcage.backend.launch.restarts import RESTARTS, restart_count, this_run
+from cardcage.backend.launch.watchdog import Heart
+from cardcage.backend.launch.watchdog import attach as attach_heart
+from cardcage.backend.selection_types import Selection
+from cardcage.backend.strategy.precision import Precision
+from cardcage.backend.strategy.step_runner import CALL, runs_steps
+from cardcage.backend.strategy.strategy import Strategy, move_to, trained_module
+from cardcage.checkpoints import io as checkpoint
+from cardcage.config.flags import FLAG_NAMES
+from cardcage.config.model_contract import Optimization
+from cardcage.errors import MisconfigurationError
+from cardcage.plugins import manager as plugins
+from cardcage.selection.engine import probe_pending_gpus, select
+
+#: The Trainer's flags that the Cage takes: those of the backend, not of the loop.
+CAGE_FLAGS = (
+    "gpus",
+    "tpu_cores",
+    "num_processes",
+    "num_nodes",
+    "distributed_backend",
+    "precision",
+    "auto_select_gpus",
+    "sync_batchnorm",
+    "replace_sampler_ddp",
+    "benchmark",
+    "deterministic",
+    "default_root_dir",
+    "max_restarts",
+)
+
+
+class Cage:
+    """Run a training loop you write on the backend the flags and the environment select.
+
+    ``Cage(**flags)`` takes the Trainer's backend flags (:data:`CAGE_FLAGS`);
+    :meth:`launch` runs ``fn(cage, ...)`` in every training process; inside it the
+    per-process methods (:meth:`setup`, :meth:`setup_dataloaders`, :meth:`backward`, ...)
+    drive the backend. See docs/own-loop.md.
+    """
+
+    def __init__(
+        self,
+        gpus: Any = None,
+        tpu_cores: Any = None,
+        num_processes: int = 1,
+        num_nodes: int = 1,
+        distributed_backend: str | None = None,
+        precision: int | str = 32,
+        auto_select_gpus: bool = False,
+        sync_batchnorm: bool = False,
+        replace_sampler_ddp: bool = True,
+        benchmark: bool = False,
+        deterministic: bool = False,
+        default_root_dir: str | os.PathLike[str] | None = None,
+        max_restarts: int = 0,
+        **unknown: Any,
+    ):
+        loop_flags = [name for name in unknown if name in FLAG_NAMES]
+        if loop_flags:
+            given = ", ".join(f"{name}={unknown[name]!r}" for name in loop_flags)
+            raise MisconfigurationError(
+                f"Cage({given}): {'it is a flag' if len(loop_flags) == 1 else 'they are flags'}"
+                " of the Trainer's loop, and your own loop decides what "
+                f"{'it does' if len(loop_flags) == 1 else 'they do'}. Leave "
+                f"{'it' if len(loop_flags) == 1 else 'them'} out; the Cage takes "
+                f"{', '.join(CAGE_FLAGS)}."
+            )
+        with plugins.slow_checks_named():
+            self.selection: Selection = select(
+                gpus=gpus,
+                tpu_cores=tpu_cores,
+                num_processes=num_processes,
+                num_nodes=num_nodes,
+                distributed_backend=distributed_backend,
+                precision=precision,
+                auto_select_gpus=auto_select_gpus,
+                sync_batchnorm=sync_batchnorm,
+                replace_sampler_ddp=replace_sampler_ddp,
+                benchmark=benchmark,
+                deterministic=deterministic,
+                default_root_dir=default_root_dir,
+                max_restarts=max_restarts,
+                logger=False,
+                **unknown,
+            )
+        self.flags = self.selection.flags
+        registry = plugins.registry(os.environ)
+        self._registry: plugins.Registry | None = registry
+        backend = registry.accelerators[self.selection.accelerator].cls
+        self.accelerator: Accelerator = backend(self.selection)
+        _check_backend_splits_setup(self.accelerator)
+        self._process: _Process | None = None
+
+    # -- the job ------------------------------------------------------------------------------
+
+    def explain(self) -> str:
+        """Why this backend was chosen: every rule in order and the decision."""
+        return self.selection.explain()
+
+    def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(self, *args, **kwargs)`` in every training process; return rank 0's value.
+
+        The processes come from the backend's launcher (spawned workers, a relaunch of the
+        script, Horovod's runner, xmp), or are this one and its peers when a cluster
+        (torchrun, srun, horovodrun) started them. Every process that calls ``launch`` gets
+        rank 0's return value, which must be plain data (tensors, numbers, strings, lists,
+        dicts): it may come back through ``torch.load(weights_only=True)``. A failing rank
+        stops every rank and raises :class:`~cardcage.RankFailedError` naming it; with
+        ``max_restarts`` the processes start ``fn`` again first (:attr:`restarts`).
+        """
+        if not callable(fn):
+            raise MisconfigurationError(
+                f"cage.launch({fn!r}): give the function to run in every process, called as "
+                "fn(cage, *args, **kwargs)."
+            )
+        if self._process is not None and self._process.launched:
+            raise MisconfigurationError(
+                "cage.launch was called inside a launched function: every process already "
+                "runs it. Call the function directly."
+            )
+        from cardcage.train.process_state import as_found
+
+        job = CageJob(self, fn, args, kwargs)
+        with as_found(job):
+            probed = probe_pending_gpus(self.selection)
+            if probed is not self.selection:
+                self.selection = self.accelerator.selection = job.selection = probed
+            if self.selection.gpu_ids:
+                devices.apply_cuda_environment(
+                    self.selection.gpu_ids,
+                    slurm_managing_tasks=self.selection.cluster == "slurm",
+                )
+            rendezvous.check_launch(self.selection, self.accelerator.needs_rendezvous)
+            hooks = job.hooks()
+            with this_run(job):  # type: ignore[arg-type]  # what restarts read of a Trainer
+                hooks.cardcage_setup(trainer=job, accelerator=self.accelerator)
+                hooks.cardcage_train(trainer=job, accelerator=self.accelerator)
+        return job.result
+
+    # -- this process -------------------------------------------------------------------------
+
+    @property
+    def _here(self) -> _Process:
+        """This process's state; outside ``launch``, set up lazily for a backend that trains
+        in this one process, refused otherwise."""
+        process = self._process
+        if process is not None:
+            return process
+        launcher = self.accelerator.make_launcher()
+        if type(launcher) is not InProcessLauncher or self.selection.world_size > 1:
+            raise MisconfigurationError(
+                f"distributed_backend={self.selection.accelerator!r} trains in processes that "
+                "cage.launch starts: call the Cage's per-process methods (setup, backward, "
+                "all_reduce...) inside the function you pass to cage.launch(fn)."
+            )
+        self.accelerator.setup_environment()
+        self._process = _Process(self, None, restarts=0, launched=False)
+        return self._process
+
+    @property
+    def device(self) -> torch.device:
+        return self._here.strategy.device
+
+    @property
+    def global_rank(self) -> int:
+        return self.accelerator.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.accelerator.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self.accelerator.node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.accelerator.global_rank == 0
+
+    @property
+    def restarts(self) -> int:
+        """How many restarts (``max_restarts``, or a cluster's) this attempt of ``fn`` is on."""
+        return self._process.restarts if self._process is not None else 0
+
+    def setup(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """``setup_module(model)``, then ``setup_optimizers(*optimizers)``: the model, or a
+        tuple ``(model, *optimizers)``, to train with from here on."""
+        module = self.setup_module(model)
+        if not optimizers:
+            return module
+        wrapped = self.setup_optimizers(*optimizers)
+        return (module, *(wrapped if isinstance(wrapped, tuple) else (wrapped,)))
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Place ``model`` on the backend (device, precision, wrapper or shards) and return
+        the module to call: ``model`` itself where the backend adds nothing to it, else a
+        module whose call runs it through the backend and whose ``state_dict`` is
+        ``model``'s own. Optimizers created before it still work: pass them to
+        :meth:`setup_optimizers` (a backend that replaces the parameters gets them rebuilt).
+        """
+        return self._here.setup_module(model)
+
+    def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
+        """The optimizers to step from here on (one, or a tuple): over the parameters of
+        the modules set up (rebuilt, keeping class, groups and settings, where the backend
+        replaced them), adapted by the backend, stepping through it."""
+        if not optimizers:
+            raise MisconfigurationError("cage.setup_optimizers(): pass the optimizers to set up.")
+        ready = self._here.setup_optimizers(optimizers)
+        return ready[0] if len(ready) == 1 else tuple(ready)
+
+    def setup_dataloaders(self, *loaders: Any) -> Any:
+        """Each loader sharded for this rank (a ``DistributedSampler`` keeping its settings,
+        unless ``replace_sampler_ddp=False``), reshuffled each time it is iterated, its
+        batches moved to :attr:`device`; one loader, or a list."""
+        if not loaders:
+            raise MisconfigurationError("cage.setup_dataloaders(): pass the loaders to set up.")
+        ready = [self._here.setup_loader(loader) for loader in loaders]
+        return ready[0] if len(ready) == 1 else ready
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Compute the gradients of ``loss`` on the backend (its grad scaler, its
+        synchronization of gradients across processes)."""
+        self._here.backward(loss)
+
+    def no_backward_sync(
+        self, module: torch.nn.Module, enabled: bool = True
+    ) -> contextlib.AbstractContextManager[None]:
+        """A context in which backward of ``module``'s loss accumulates gradients without
+        communicating; the next backward outside it synchronizes the accumulated sum."""
+        return self._here.no_backward_sync(module, enabled)
+
+    def clip_gradients(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None = None,
+        clip_val: float | None = None,
+    ) -> torch.Tensor | None:
+        """Clip the gradients of ``optimizer``'s parameters (unscaled first): to a total
+        2-norm of ``max_norm`` (returns the norm before clipping), or each element to
+        ``[-clip_val, clip_val]`` (returns None). Exactly one of them."""
+        return self._here.clip_gradients(module, optimizer, max_norm, clip_val)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast (``precision=16`` or ``"bf16"``); nothing otherwise."""
+        autocast = self._here.strategy.precision.autocast
+        return autocast() if autocast is not None else contextlib.nullcontext()
+
+    def to_device(self, obj: Any) -> Any:
+        """``obj`` (a module, a tensor, or lists, tuples and dicts of them) on :attr:`device`."""
+        strategy = self._here.strategy
+        if isinstance(obj, torch.nn.Module):
+            return obj.to(strategy.device)
+        return move_to(obj, strategy.device, strategy.precision.dtype)
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process reaches this point."""
+        self._here.beat()
+        self._here.strategy.barrier(name)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` summed (``op="sum"``) or averaged (``"mean"``) over every process."""
+        if op not in ("mean", "sum"):
+            raise MisconfigurationError(f"cage.all_reduce(op={op!r}): use 'mean' or 'sum'.")
+        self._here.beat()
+        return self._here.strategy.reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's ``tensor`` (the same shape on each), stacked in rank order: shape
+        ``(world_size, *tensor.shape)``."""
+        self._here.beat()
+        return self._here.strategy.all_gather(tensor)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as process ``src`` holds it (any picklable object)."""
+        self._here.beat()
+        return self._here.strategy.broadcast(obj, src)
+
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        """Write ``state`` to one file; every process calls it, global rank 0 writes.
+
+        Modules and optimizers in ``state`` go through the backend (a sharded one gathers
+        them): the file holds full tensors, each module as its own ``state_dict()`` (no
+        wrapper prefix), and loads with ``torch.load(path, weights_only=True)``. Other
+        entries are stored as they are (plain data).
+        """
+        self._here.save(path, state)
+
+    def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
+        """Fill the modules and optimizers of ``state`` from ``path`` (written by
+        :meth:`save`, on any backend) in place; return the file's other entries."""
+        return self._here.load(path, state)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.accelerator.global_rank == 0:
+            print(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_registry"] = None  # pluggy's manager stays behind; the job reloads it
+        state["_process"] = None  # each process sets its own up
+        # the environment the selection was made in stays here (it holds os.environ)
+        selection = dataclasses.replace(self.selection, environment=None)
+        state["selection"] = selection
+        accelerator = copy.copy(self.accelerator)
+        accelerator.selection = selection
+        state["accelerator"] = accelerator
+        return state
+
+
+def _check_backend_splits_setup(accelerator: Strategy) -> None:
+    """Refuse, by name, a backend that sets its processes up in ``setup_process`` alone: the
+    Cage needs ``setup_environment`` and ``setup_module``, which such a backend leaves at
+    the one-process defaults."""
+    kind = type(accelerator)
+    own_process = kind.setup_process is not Strategy.setup_process
+    split = (
+        kind.setup_environment is not Strategy.setup_environment
+        or kind.setup_module is not Strategy.setup_module
+    )
+    if own_process and not split:
+        raise MisconfigurationError(
+            f"distributed_backend={accelerator.selection.accelerator!r} ({kind.__qualname__}) "
+            "sets its processes up in setup_process only, which the Trainer calls; the Cage "
+            "needs setup_environment (join the job) and setup_module (place a module), which "
+            "it leaves at the one-process defaults. Train it with cardcage.Trainer, or ask "
+            "its author to split setup_process into those two (docs/writing-a-plugin.md)."
+        )
+
+
+class CageJob:
+    """One ``launch``, as the launchers and ``max_restarts`` see a job: what they pickle,
+    what each training process runs (:meth:`run_fit_loop`), what comes back."""
+
+    def __init__(
+        self, cage: Cage, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ):
+        self.cage = cage
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.selection = cage.selection
+        # What restarts and the launchers read of a Trainer (nothing to train of their own).
+        self.model = torch.nn.Module()
+        self.train_dataloader: Any = None
+        self.val_dataloaders: list[Any] = []
+        self.current_epoch = self.global_step = self.batch_idx = 0
+        self.in_epoch = False
+        self.restarts = 0
+        self.restart_from: str | None = None
+        self.run: checkpoint.Run | None = None
+        self.result: Any = None
+
+    @property
+    def flags(self) -> Any:
+        return self.cage.flags
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return self.cage.accelerator
+
+    def hooks(self) -> Any:
+        self.attach()
+        assert self.cage._registry is not None
+        return self.cage._registry.hooks
+
+    def attach(self) -> None:
+        """Reconnect a job that arrived in a new process to this process's plugins."""
+        if self.cage._registry is None:
+            self.cage._registry = plugins.registry(os.environ)
+
+    def pickled_parts(self) -> dict[str, Any]:
+        """What a worker launcher pickles, for its message when something cannot be."""
+        parts: dict[str, Any] = {"fn": self.fn}
+        parts.update({f"args[{i}]": a for i, a in enumerate(self.args)})
+        parts.update({f"kwargs[{k!r}]": v for k, v in self.kwargs.items()})
+        return parts
+
+    def run_fit_loop(self) -> Any:
+        """Run ``fn`` in this training process: the backend's environment, ``fn``, rank 0's
+        value for every rank, the backend's teardown (also after a failure)."""
+        cage, strategy = self.cage, self.cage.accelerator
+        if self.flags.benchmark:
+            torch.backends.cudnn.benchmark = True
+        if self.flags.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        heart = attach_heart()  # before setup: a rank stuck there shows its pid and stack
+        restarts = max(self.restarts, int(os.environ.get(RESTARTS, "0") or 0))
+        process = _Process(cage, heart, restarts=max(restarts, restart_count(os.environ)))
+        cage._process = process
+        try:
+            strategy.setup_environment()
+            value = self.fn(cage, *self.args, **self.kwargs)
+            process.beat()
+            self.result = strategy.broadcast(value, 0) if strategy.world_size > 1 else value
+        finally:
+            cage._process = None
+            try:
+                strategy.teardown(self)  # type: ignore[arg-type]
+            finally:
+                if heart is not None:
+                    heart.close()
+        record_fit_finished()  # a rank that exits without this has left the job early
+        return self.result
+
+    def export_results(self) -> dict[str, Any] | None:
+        """Rank 0's value, for the launching process (it must load with weights_only)."""
+        value = self.result
+        buffer = io.BytesIO()
+        try:
+            torch.save({"value": value}, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception as error:
+            raise MisconfigurationError(
+                f"cage.launch: the function returned a {type(value).__name__}, which cannot "
+                f"come back to the launching process ({type(error).__name__}: {error}). "
+                "Return plain data: tensors, numbers, strings, lists and dicts of them."
+            ) from None
+        return {"value": value}
+
+    def apply_results(self, result: dict[str, Any]) -> None:
+        self.result = result["value"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        from cardcage.checkpoints.io import rng_state
+
+        state = self.__dict__.copy()
+        state["selection"] = dataclasses.replace(self.selection, environment=None)
+        state["caller_rng"] = rng_state()  # workers draw as the script would
+        return state
+
+
+class _Process:
+    """The Cage's state in one training process: the modules, optimizers and loaders it set
+    up, and the checks of the first backward."""
+
+    def __init__(self, cage: Cage, heart: Heart | None, *, restarts: int, launched: bool = True):
+        self.cage = cage
+        self.strategy: Strategy = cage.accelerator
+        self.heart = heart
+        self.restarts = restarts
+        self.launched = launched
+        #: id of a user's module or of what setup returned -> (trained module, wrapper).
+        self.modules: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}
+        self.trained: list[torch.nn.Module] = []
+        #: id of a parameter a backend replaced -> its replacement (fsdp's shards).
+        self.replaced: dict[int, torch.nn.Parameter] = {}
+        self.loaders = 0
+        self.forwarded = False
+        self.checked = False
+        precision, kind = self.strategy.precision, type(self.strategy)
+        self.plain = precision.scaler is None and all(
+            getattr(type(precision), n) is getattr(Precision, n) for n in ("backward", "step")
+        )
+        self.plain_backward = self.plain and kind.backward is Strategy.backward
+        self.plain_step = self.plain and kind.optimizer_step is Strategy.optimizer_step
+
+    def beat(self) -> None:
+        if self.heart is not None:
+            self.heart.beat()
+
+    # -- setting up ---------------------------------------------------------------------------
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not isinstance(model, torch.nn.Module):
+            raise MisconfigurationError(
+                f"cage.setup_module: got a {type(model).__name__}, not a torch.nn.Module."
+            )
+        if id(model) in self.modules:
+            raise MisconfigurationError(
+                f"cage.setup: this {type(model).__name__} was set up already. Set each module "
+                "up once, and train with what setup returned."
+            )
+        before = dict(model.named_parameters())
+        wrapped = self.strategy.setup_module(model)
+        trained = trained_module(wrapped)
+        after = dict(trained.named_parameters())
+        for name, parameter in before.items():
+            new = after.get(name)
+            if new is not None and new is not parameter:
+                self.replaced[id(parameter)] = new
+        self.trained.append(trained)
+        if wrapped is model:
+            self.modules[id(model)] = (trained, wrapped)
+            return model
+        call = functools.partial(wrapped, CALL) if runs_steps(wrapped) else wrapped
+        module = _CageModule(trained, call, self)
+        self.modules[id(model)] = self.modules[id(module)] = (trained, wrapped)
+        return module
+
+    def setup_optimizers(
+        self, optimizers: tuple[torch.optim.Optimizer, ...]
+    ) -> list[torch.optim.Optimizer]:
+        if not self.trained:
+            raise MisconfigurationError(
+                "cage.setup_optimizers: no module was set up yet. Call cage.setup(model, "
+                "*optimizers), or setup_module(model) first."
+            )
+        rebuilt = [self.rebuild(optimizer) for optimizer in optimizers]
+        view = _View(self.cage, torch.nn.ModuleList(self.trained), Optimization(rebuilt))
+        self.strategy.setup_optimizers(view)  # type: ignore[arg-type]
+        ready = view.optimization.optimizers
+        if self.plain_step:
+            return ready
+        return [_cage_optimizer(optimizer, self) for optimizer in ready]
+
+    def rebuild(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` over the replaced parameters (same class, groups and settings)."""
+        if isinstance(optimizer, _CageOptimizer):
+            raise MisconfigurationError(
+                "cage.setup_optimizers: this optimizer was set up already. Set each one up once."
+            )
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(id(p) in self.replaced for p in held):
+            return optimizer
+        if optimizer.state:
+            raise MisconfigurationError(
+                f"cage.setup: the {type(optimizer).__name__} has stepped already, and "
+                f"distributed_backend={self.cage.selection.accelerator!r} replaces the "
+                "parameters it holds. Set the model and optimizer up before training."
+            )
+        groups = [
+            {**group, "params": [self.replaced.get(id(p), p) for p in group["params"]]}
+            for group in optimizer.param_groups
+        ]
+        return type(optimizer)(groups, **optimizer.defaults)
+
+    def setup_loader(self, loader: Any) -> Any:
+        strategy = self.strategy
+        self.loaders += 1
+        processed = strategy.process_dataloader(loader, train=True)
+        sharded = processed is not loader or strategy.world_size > 1
+        if not sharded and not strategy.moves_batches:
+            return loader
+        return _CageLoader(processed, strategy)
+
+    # -- training -----------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not self.checked:
+            self.check_first_backward()
+        if self.plain_backward:
+            loss.backward()  # type: ignore[no-untyped-call]
+        else:
+            self.strategy.backward(loss)
+        self.beat()
+
+    def check_first_backward(self) -> None:
+        self.checked = True
+        if not self.trained:
+            raise MisconfigurationError(
+                "cage.backward: no module was set up. Pass the model through "
+                "cage.setup(model, optimizer) and train with what it returns."
+            )
+        if self.strategy.world_size <= 1:
+            return
+        wrappers = any(wrapped is not trained for trained, wrapped in self.modules.values())
+        if wrappers and not self.forwarded:
+            raise MisconfigurationError(
+                f"cage.backward: the loss was not computed by a module that cage.setup "
+                f"returned, so the {self.strategy.world_size} processes would not synchronize "
+                "its gradients. Call the module setup returned (model = cage.setup(model, ...)), "
+                "not the one you passed to it."
+            )
+        if not self.loaders and self.cage.flags.replace_sampler_ddp:
+            raise MisconfigurationError(
+                f"cage.backward: {self.strategy.world_size} processes train, but no loader went "
+                "through cage.setup_dataloaders, so each would train on all of the data. Pass "
+                "your loaders through it, or shard the data yourself and set "
+                "replace_sampler_ddp=False."
+            )
+
+    def wrapper_of(self, module: torch.nn.Module, what: str) -> torch.nn.Module:
+        found = self.modules.get(id(module))
+        if found is None:
+            raise MisconfigurationError(
+                f"cage.{what}: this {type(module).__name__} was not set up. Pass the module "
+                "that cage.setup returned."
+            )
+        return found[1]
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> Iterator[None]:
+        wrapped = self.wrapper_of(module, "no_backward_sync")
+        if not enabled:
+            yield
+            return
+        strategy = self.strategy
+        previous, strategy.parallel = strategy.parallel, wrapped
+        try:
+            context = strategy.skip_gradient_sync()
+            context.__enter__()
+        finally:
+            strategy.parallel = previous
+        try:
+            yield
+        except BaseException:
+            if not context.__exit__(*sys.exc_info()):
+                raise
+        else:
+            context.__exit__(None, None, None)
+
+    def clip_gradients(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+    ) -> torch.Tensor | None:
+        self.wrapper_of(module, "clip_gradients")
+        if (max_norm is None) == (clip_val is None):
+            raise MisconfigurationError(
+                f"cage.clip_gradients(max_norm={max_norm!r}, clip_val={clip_val!r}): give "
+                "exactly one: max_norm clips the total 2-norm, clip_val each element."
+            )
+        inner = _inner(optimizer)
+        self.strategy.precision.unscale([inner])
+        if max_norm is not None:
+            return self.strategy.clip_gradients(inner, float(max_norm), "norm")
+        self.strategy.clip_gradients(inner, float(clip_val or 0.0), "value")
+        return None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.strategy.optimizer_step(optimizer)
+        self.strategy.precision.update()
+        self.beat()
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def owner(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The set-up module that holds ``optimizer``'s parameters."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for trained in self.trained:
+            if any(id(p) in held for p in trained.parameters()):
+                return trained
+        raise MisconfigurationError(
+            "cage.save/load: an optimizer holds parameters of no module that was set up. "
+            "Set its module up first (cage.setup(model, optimizer))."
+        )
+
+    def split(
+        self, state: dict[str, Any]
+    ) -> tuple[dict[int, tuple[torch.nn.Module, str | None, list[str]]], list[str]]:
+        """``state``'s modules and optimizers grouped by trained module, and its other keys."""
+        groups: dict[int, tuple[torch.nn.Module, str | None, list[str]]] = {}
+        others: list[str] = []
+        for key, value in state.items():
+            if isinstance(value, torch.nn.Module):
+                found = self.modules.get(id(value))
+                trained = found[0] if found is not None else value
+                _, _, opts = groups.get(id(trained), (trained, None, []))
+                groups[id(trained)] = (trained, key, opts)
+            elif isinstance(value, torch.optim.Optimizer):
+                trained = self.owner(_inner(value))
+                module_key = groups.get(id(trained), (trained, None, []))[1]
+                opts = groups.get(id(trained), (trained, None, []))[2]
+                groups[id(trained)] = (trained, module_key, [*opts, key])
+            else:
+                others.append(key)
+        return groups, others
+
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        groups, others = self.split(state)
+        payload: dict[str, Any] = {key: state[key] for key in others}
+        for trained, module_key, opt_keys in groups.values():
+            optimizers = [_inner(state[k]) for k in opt_keys]
+            view = _View(self.cage, trained, Optimization(optimizers))
+            gathered = self.strategy.gather_state(view)  # type: ignore[arg-type]
+            if gathered is None:
+                continue  # this rank does not write
+            if module_key is not None:
+                payload[module_key] = gathered["state_dict"]
+            payload.update(zip(opt_keys, gathered["optimizers"], strict=True))
+        if self.strategy.is_global_zero:
+            checkpoint.save_atomic(self.strategy.portable(payload), path)
+        self.strategy.barrier("save")
+        self.beat()
+
+    def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise MisconfigurationError(f"cage.load: {os.fspath(path)!r} does not exist.") from None
+        groups, _ = self.split(state)
+        consumed: set[str] = set()
+        for trained, module_key, opt_keys in groups.values():
+            missing = [k for k in (module_key, *opt_keys) if k is not None and k not in data]
+            if missing:
+                raise MisconfigurationError(
+                    f"cage.load: {os.fspath(path)!r} holds no {', '.join(map(repr, missing))} "
+                    f"(it holds {', '.join(map(repr, data))})."
+                )
+            optimizers = [_inner(state[k]) for k in opt_keys]
+            view = _View(self.cage, trained, Optimization(optimizers))
+            saved = {
+                "state_dict": data[module_key] if module_key is not None else None,
+                "optimizers": [data[k] for k in opt_keys],
+            }
+            if module_key is None:
+                raise MisconfigurationError(
+                    f"cage.load: {', '.join(map(repr, opt_keys))} come(s) without the module "
+                    "whose parameters it holds: put that module in state too (the backend "
+                    "restores a module and its optimizers together)."
+                )
+            self.strategy.restore_state(view, saved)  # type: ignore[arg-type]
+            consumed.update(k for k in (module_key, *opt_keys) if k is not None)
+        self.beat()
+        return {key: value for key, value in data.items() if key not in consumed}
+
+
+class _View:
+    """A module and its optimizers as the backend's Trainer-facing methods read them
+    (``setup_optimizers``, ``gather_state``, ``restore_state``)."""
+
+    def __init__(self, cage: Cage, model: torch.nn.Module, optimization: Optimization):
+        self.model = model
+        self.optimization = optimization
+        self.flags = cage.flags
+        self.selection = cage.selection
+
+
+class _CageModule(torch.nn.Module):
+    """What ``setup_module`` returns when the backend wraps or replaces a module: calling
+    it runs the module through the backend; attributes, ``state_dict`` and
+    ``load_state_dict`` are the module's own."""
+
+    def __init__(self, module: torch.nn.Module, call: Callable[..., Any], process: _Process):
+        super().__init__()
+        self.module = module
+        self.__dict__["_call"] = call
+        self.__dict__["_process"] = process
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["_process"].forwarded = True
+        return self.__dict__["_call"](*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_modules"]["module"], name)
+
+
+class _CageOptimizer:
+    """Mixed into a subclass of the optimizer's own class (``isinstance`` holds, schedulers
+    take it): ``step`` goes through the backend; the rest is the optimizer's."""
+
+    _optimizer: torch.optim.Optimizer
+    _process: _Process
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._process.step(self._optimizer)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._optimizer.add_param_group(param_group)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._optimizer.defaults = value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_optimizer"], name)
+
+    def __repr__(self) -> str:
+        return f"Cage({self._optimizer!r})"
+
+
+def _cage_optimizer(optimizer: torch.optim.Optimizer, process: _Process) -> Any:
+    kind = type(f"Cage{type(optimizer).__name__}", (_CageOptimizer, type(optimizer)), {})
+    wrapped: Any = object.__new__(kind)
+    wrapped.__dict__["_optimizer"] = optimizer
+    wrapped.__dict__["_process"] = process
+    return wrapped
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    inner: torch.optim.Optimizer = optimizer.__dict__.get("_optimizer", optimizer)
+    return inner
+
+
+class _CageLoader:
+    """A loader as the backend adapted it: each iteration reshuffles its sampler for the
+    next epoch (``on_epoch_start``) and moves its batches to the device when needed."""
+
+    def __init__(self, loader: Any, strategy: Strategy):
+        self.loader = loader
+        self.strategy = strategy
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        strategy = self.strategy
+        strategy.on_epoch_start(self.epoch, self.loader)
+        self.epoch += 1
+        if not strategy.moves_batches:
+            yield from self.loader
+            return
+        for batch in self.loader:
+            yield strategy.batch_to_device(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
