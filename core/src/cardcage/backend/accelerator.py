@@ -6,8 +6,10 @@ An :class:`Accelerator` puts a backend's three roles together:
   claims a job nobody named a backend for, an honest ``availability``, ``resolve`` and
   ``processes_per_node``; consulted by the selection engine before anything starts;
 - **each training process** (the instance's
-  :class:`~cardcage.backend.strategy.strategy.Strategy` methods): ``setup_process``,
-  placement, wrapping, the collectives, ``gather_state``/``restore_state``;
+  :class:`~cardcage.backend.strategy.strategy.Strategy` methods): ``setup_environment``
+  (join the job), ``setup_module`` (placement, wrapping), the collectives,
+  ``gather_state``/``restore_state``; the Trainer's loop and :class:`cardcage.Cage` both
+  drive them;
 - **process creation** (``launcher``, a :class:`~cardcage.backend.launch.launcher.Launcher`):
   how the training processes come to exist.
 
@@ -241,7 +243,8 @@ class Accelerator(Strategy):
 
         Called once per ``fit``, through the ``cardcage_setup`` hook, before ``train``. The
         default does nothing; a backend checks here what it can check before starting
-        processes. Work inside each training process belongs in ``setup_process``.
+        processes. Work inside each training process belongs in ``setup_environment`` and
+        ``setup_module``.
         """
 
     def train(self, trainer: Trainer) -> Any:

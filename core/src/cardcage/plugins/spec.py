@@ -93,7 +93,8 @@ def cardcage_setup(trainer: Trainer, accelerator: Accelerator) -> bool | None:
     ``accelerator.setup(trainer)``; wrap it with ``@hookimpl(wrapper=True)`` to observe or
     extend it without subclassing a backend.
 
-    :param trainer: the :class:`~cardcage.Trainer` being fitted.
+    :param trainer: the :class:`~cardcage.Trainer` being fitted, or the job of a
+        :meth:`cardcage.Cage.launch` (its ``flags``, ``selection`` and ``accelerator``).
     :param accelerator: the backend instance selected for the run.
     :return: ``True`` once set up (first result wins).
     """
@@ -109,7 +110,8 @@ def cardcage_train(trainer: Trainer, accelerator: Accelerator) -> object:
     processes that do. Wrap it with ``@hookimpl(wrapper=True)`` to time, log or guard a
     whole run; what it returns is what ``fit`` returns.
 
-    :param trainer: the :class:`~cardcage.Trainer` being fitted.
+    :param trainer: the :class:`~cardcage.Trainer` being fitted, or the job of a
+        :meth:`cardcage.Cage.launch`.
     :param accelerator: the backend instance selected for the run.
     :return: the backend's result (``None`` for the built-in backends).
     """
@@ -118,12 +120,15 @@ def cardcage_train(trainer: Trainer, accelerator: Accelerator) -> object:
 
 @_spec(firstresult=True)
 def cardcage_setup_process(trainer: Trainer, accelerator: Accelerator) -> bool | None:
-    """Set up one training process: join the job, place and wrap the model, set precision.
+    """Set up one training process of a ``fit``: join the job, place and wrap the model.
 
-    Called once in every process that trains (the caller itself for one-process backends,
-    each relaunched, spawned or cluster-started process otherwise), before
+    Called once in every process that a Trainer trains in (the caller itself for
+    one-process backends, each relaunched, spawned or cluster-started process otherwise),
+    before
     ``configure_optimizers`` and before a checkpoint is restored. The core's own
-    implementation runs last and calls ``accelerator.setup_process(trainer)``.
+    implementation runs last and calls ``accelerator.setup_process(trainer)``. A
+    :class:`cardcage.Cage` calls the backend's ``setup_environment`` and ``setup_module``
+    itself (the user's function sets its modules up), not this hook.
 
     :param trainer: the :class:`~cardcage.Trainer` in this process.
     :param accelerator: the backend instance in this process (its ranks are this
