@@ -416,3 +416,166 @@ def test_lightning_style_example_matches_its_reference(
     assert len(logs) == 1, logs  # one logger version: only rank 0 wrote
     header = logs[0].read_text().splitlines()[0].split(",")
     assert {"val_loss", "train_loss_step", "train_loss_epoch"} <= set(header), header
+
+
+# -- examples/own_loop.py: a hand-written loop driven through cardcage.Cage, with
+# no_backward_sync accumulation, clipping, and a checkpoint saved every epoch.
+
+OWN_LOOP = str(EXAMPLES / "own_loop.py")
+#: The example's defaults: samples per process per batch, and epochs.
+OWN_LOOP_BATCH, OWN_LOOP_EPOCHS = 8, 2
+
+
+def _own_loop(name: str, processes: int, *more: str) -> list[str]:
+    return [
+        PYTHON,
+        OWN_LOOP,
+        "--distributed-backend",
+        name,
+        "--num-processes",
+        str(processes),
+        *more,
+    ]
+
+
+#: backend -> (command, processes). The process started here prints the one line (it is
+#: rank 0, or it spawned the workers and got rank 0's result back).
+OWN_LOOP_RUNS = {
+    "cpu": (_own_loop("cpu", 1), 1),
+    "ddp_spawn": (_own_loop("ddp_spawn", 2), 2),
+}
+
+
+def load_own_loop() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("cardcage_example_own_loop", OWN_LOOP)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def own_loop_reference(
+    batch_size: int,
+    epochs: int,
+    accumulate: int | None = None,
+    clip: float | None = None,
+) -> tuple[dict[str, torch.Tensor], float]:
+    """The example's ``main`` as a plain PyTorch loop in one process, without cardcage:
+    the final weights and the final model's mean squared error over the data set."""
+    example = load_own_loop()
+    accumulate = example.ACCUMULATE if accumulate is None else accumulate
+    clip = example.CLIP if clip is None else clip
+    model = example.Regressor()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(example.dataset(), batch_size=batch_size)
+    for _ in range(epochs):
+        model.train()
+        for index, (x, y) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(x), y) / accumulate
+            torch.autograd.backward(loss)
+            if (index + 1) % accumulate == 0:
+                if clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        errors = torch.zeros(2)
+        for x, y in torch.utils.data.DataLoader(example.dataset(), batch_size=64):
+            errors[0] += torch.nn.functional.mse_loss(model(x), y, reduction="sum").float()
+            errors[1] += y.numel()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return weights, float(errors[0] / errors[1])
+
+
+def saved_checkpoint(path: str) -> dict[str, Any]:
+    """The example's checkpoint, read the way its docs say any program can read it."""
+    saved: dict[str, Any] = torch.load(path, weights_only=True)
+    return saved
+
+
+@pytest.fixture(scope="module")
+def own_loop_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Start every selected backend's run of examples/own_loop.py at once."""
+    root = tmp_path_factory.mktemp("own_loop")
+    started = {
+        backend: Run.start(f"own_loop-{backend}", root / backend, command)
+        for backend, (command, _) in OWN_LOOP_RUNS.items()
+        if backend in selected_params(request, "own_backend")
+    }
+    yield started
+    for run in started.values():
+        run.kill()
+
+
+def test_own_loop_reference_is_sensitive() -> None:
+    """The comparison can tell: the batch size (one process at twice the batch), the
+    accumulation and the clipping each change the weights the plain loop ends with."""
+    weights, loss = own_loop_reference(OWN_LOOP_BATCH, OWN_LOOP_EPOCHS)
+    example = load_own_loop()
+    for other in (
+        own_loop_reference(2 * OWN_LOOP_BATCH, OWN_LOOP_EPOCHS)[0],
+        own_loop_reference(OWN_LOOP_BATCH, OWN_LOOP_EPOCHS, accumulate=1)[0],
+        own_loop_reference(OWN_LOOP_BATCH, OWN_LOOP_EPOCHS, clip=0.0)[0],
+        own_loop_reference(OWN_LOOP_BATCH, OWN_LOOP_EPOCHS - 1)[0],
+        example.Regressor().state_dict(),
+    ):
+        assert max_difference(other, weights) > 100 * TOLERANCE
+    assert loss < own_loop_reference(OWN_LOOP_BATCH, 0)[1]  # training lowered the error
+
+
+@pytest.mark.parametrize("own_backend", sorted(OWN_LOOP_RUNS))
+def test_own_loop_example_matches_the_plain_loop(
+    own_backend: str, own_loop_runs: dict[str, Run]
+) -> None:
+    """cpu: the saved weights and the returned loss equal the plain loop's bit for bit.
+    ddp_spawn with 2 processes: within 1e-5 of the plain loop at twice the batch (each step's
+    gradient is the mean over both ranks' micro-batches). The checkpoint holds the user's
+    own state_dict (no wrapper prefix), loadable with weights_only=True, and the caller
+    gets rank 0's return value."""
+    run = own_loop_runs[own_backend]
+    lines = run.finish()
+    output = run.output()
+    _, processes = OWN_LOOP_RUNS[own_backend]
+    assert len(lines) == 1, output
+    (line,) = lines
+    assert line["example"] == "own_loop"
+    assert (line["accelerator"], line["world_size"]) == (own_backend, processes), output
+    assert line["pid"] == run.popen.pid
+    saved = saved_checkpoint(line["checkpoint"])
+    assert saved["epoch"] == OWN_LOOP_EPOCHS
+    assert "optimizer" in saved
+    weights, loss = own_loop_reference(processes * OWN_LOOP_BATCH, OWN_LOOP_EPOCHS)
+    assert sorted(saved["model"]) == sorted(weights)
+    difference = max_difference(saved["model"], weights)
+    print(f"own_loop {own_backend}: max |w - plain loop| = {difference:.3g} ({run.seconds:.1f}s)")
+    if own_backend == "cpu":
+        for key, value in weights.items():
+            assert torch.equal(saved["model"][key], value), f"{key} differs\n{output}"
+        assert line["loss"] == loss, output
+    else:
+        assert difference <= TOLERANCE, f"differs by {difference:g}\n{output}"
+        assert abs(line["loss"] - loss) <= TOLERANCE, output
+
+
+def test_own_loop_example_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """A run of one epoch, then a run of two with the same checkpoint file: the second
+    trains only the second epoch (from the saved weights and Adam's saved state) and ends
+    bit for bit where two uninterrupted epochs of the plain loop end."""
+    checkpoint = str(tmp_path / "own_loop.ckpt")
+    for epochs in (1, 2):
+        run = Run.start(
+            f"own_loop-resume-{epochs}",
+            tmp_path / f"run{epochs}",
+            _own_loop("cpu", 1, "--max-epochs", str(epochs), "--checkpoint", checkpoint),
+        )
+        (line,) = run.finish()
+    stdout = (tmp_path / "run2" / "stdout").read_text()
+    assert "resuming at epoch 1" in stdout and "epoch 0:" not in stdout, stdout
+    assert "epoch 1:" in stdout, stdout
+    weights, loss = own_loop_reference(OWN_LOOP_BATCH, 2)
+    saved = saved_checkpoint(checkpoint)
+    assert saved["epoch"] == 2
+    for key, value in weights.items():
+        assert torch.equal(saved["model"][key], value), key
+    assert line["loss"] == loss
