@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import io
 import os
 import sys
@@ -41,7 +42,7 @@ from cardcage.backend.strategy.precision import Precision
 from cardcage.backend.strategy.step_runner import CALL, runs_steps
 from cardcage.backend.strategy.strategy import Strategy, move_to, trained_module
 from cardcage.checkpoints import io as checkpoint
-from cardcage.config.flags import FLAG_NAMES
+from cardcage.config.flags import FLAG_NAMES, LATER_FLAGS, did_you_mean
 from cardcage.config.model_contract import Optimization
 from cardcage.errors import MisconfigurationError
 from cardcage.plugins import manager as plugins
@@ -100,6 +101,13 @@ class Cage:
                 f"{'it does' if len(loop_flags) == 1 else 'they do'}. Leave "
                 f"{'it' if len(loop_flags) == 1 else 'them'} out; the Cage takes "
                 f"{', '.join(CAGE_FLAGS)}."
+            )
+        unknown_names = [n for n in unknown if n not in FLAG_NAMES and n not in LATER_FLAGS]
+        if unknown_names:
+            name = unknown_names[0]
+            raise MisconfigurationError(
+                f"Cage({name}={unknown[name]!r}): {name} is not a flag of the Cage."
+                f"{did_you_mean(name, CAGE_FLAGS)} The Cage takes {', '.join(CAGE_FLAGS)}."
             )
         with plugins.slow_checks_named():
             self.selection: Selection = select(
@@ -566,7 +574,13 @@ class _Process:
             {**group, "params": [self.replaced.get(id(p), p) for p in group["params"]]}
             for group in optimizer.param_groups
         ]
-        return type(optimizer)(groups, **optimizer.defaults)
+        # The groups carry every setting; the constructor takes those of its signature
+        # (an optimizer's defaults may hold more: AdamW's decoupled_weight_decay).
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        rebuilt = type(optimizer)(groups, **settings)
+        rebuilt.defaults.update(optimizer.defaults)
+        return rebuilt
 
     def setup_loader(self, loader: Any) -> Any:
         strategy = self.strategy
@@ -872,6 +886,11 @@ class _CageLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (its shuffle order): for a loop that
+        resumes mid-run, since each iteration counts one epoch from 0."""
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[Any]:
         strategy = self.strategy
