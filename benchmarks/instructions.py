@@ -5,15 +5,28 @@ per cent, more than the 2-5% it is meant to resolve. Instructions do not depend 
 the machine is doing: ``valgrind --tool=callgrind`` counts every instruction a process
 executes, the same count for the same program and inputs (``PYTHONHASHSEED`` fixed).
 
-Each variant (``plain``, ``cardcage``, ``lightning`` when installed and asked for) trains the
-model of ``overhead.py`` (same data, batch 64, one torch thread, no progress bar: see
-``child``) twice under callgrind: for ``--short`` steps and for ``--long`` steps, whole
+Each variant trains the model of ``overhead.py`` (same data, batch 64, one torch thread, no
+progress bar: see ``child``), the way ``overhead.py`` runs it:
+
+* ``plain``: the hand-written loop, the baseline;
+* ``cardcage``: ``cardcage.Trainer(distributed_backend="cpu")``; ``cardcage-log`` (``--log``)
+  the same with ``self.log`` of one value a step; ``lightning`` (``--lightning``) Lightning's
+  Trainer;
+* the own-loop variants, the plain loop line for line written each library's way:
+  ``cage`` (``cardcage.Cage``, one CPU process: ``cage.setup``, ``cage.setup_dataloaders``,
+  ``cage.backward``, run by ``cage.launch``), and where importable ``fabric`` (Lightning
+  Fabric) and ``accelerate`` (HuggingFace Accelerate); a variant that is not importable is
+  skipped with a note. ``--own-loop`` counts only these and ``plain``.
+
+Each runs twice under callgrind: for ``--short`` steps and for ``--long`` steps, whole
 epochs of ``--epoch`` steps each. The difference between the two counts, divided by the
 difference in steps, is the cost of one step with its share of the per-epoch work;
 start-up (imports, plugin discovery, building the model) cancels out. Two processes run at
 a time. Expect about 2 minutes a process (valgrind runs Python 50x slower).
 
-    python benchmarks/instructions.py                  # tiny and mlp, plain and cardcage
+    python benchmarks/instructions.py                  # plain, cardcage and the own loops
+    python benchmarks/instructions.py --own-loop       # plain, cage, fabric, accelerate only
+    python benchmarks/instructions.py --own-loop --models tiny --short 50 --long 150  # a check
     python benchmarks/instructions.py --lightning      # Lightning beside them
     python benchmarks/instructions.py --json out.json
     python benchmarks/instructions.py --ddp            # ddp.py's two-process step instead
@@ -43,7 +56,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 MODELS = {"tiny": 32, "mlp": 256}
-TARGETS = {"tiny": 1.05, "mlp": 1.02}
+TARGETS = {"tiny": 1.05, "mlp": 1.02}  # the Trainer's (cardcage), against plain
+CAGE_TARGET = 1.01  # the own loop through cardcage.Cage, against plain, on both models
 COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 VALGRIND = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
 DDP_TARGET = 1.03
@@ -205,6 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="PATH", help="also write the counts")
     parser.add_argument("--ddp", action="store_true", help="count ddp.py's two-process step")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=list(MODELS),
+        help="the models to count (default: both)",
+    )
+    parser.add_argument(
+        "--own-loop",
+        action="store_true",
+        help="count only the own-loop variants: plain, cage, and fabric and accelerate where "
+        "installed (no Trainer)",
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--ddp-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -223,14 +250,25 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.long <= args.short or args.short % args.epoch or args.long % args.epoch:
         parser.error("--short and --long must be whole epochs, and --long more than --short")
+    if args.own_loop and (args.ddp or args.lightning or args.log):
+        parser.error("--own-loop counts the own loops alone: not with --ddp, --lightning or --log")
     if args.ddp:
         return main_ddp(args.short, args.long, args.epoch, args.json)
 
-    frameworks = ["plain", "cardcage"] + (["lightning"] if args.lightning else [])
+    sys.path.insert(0, str(HERE))
+    import overhead  # no torch: the parent stays small
+
+    frameworks = ["plain"] if args.own_loop else ["plain", "cardcage"]
+    frameworks += ["lightning"] if args.lightning else []
     frameworks += ["cardcage-log"] if args.log else []
+    own = overhead.own_loop_available()
+    frameworks += [name for name in overhead.OWN_LOOPS if own[name]]
+    for name in overhead.OWN_LOOPS:
+        found = own[name] or f"not importable here, skipped ({overhead.INSTALL[name]})"
+        print(f"instructions: {name}: {found}", flush=True)
     jobs = [
         (framework, model, steps)
-        for model in MODELS
+        for model in args.models
         for framework in frameworks
         for steps in (args.short, args.long)
     ]
@@ -254,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 future.result()
 
     rows: list[dict[str, Any]] = []
-    print(f"\n{'model':<12} {'variant':<10} {'instructions/step':>18} {'ratio':>7} {'target':>7}")
-    for model in MODELS:
+    print(f"\n{'model':<12} {'variant':<12} {'instructions/step':>18} {'ratio':>7} {'target':>7}")
+    for model in args.models:
         per_step = {
             framework: (
                 counts[(framework, model, args.long)] - counts[(framework, model, args.short)]
@@ -265,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for framework in frameworks:
             ratio = per_step[framework] / per_step["plain"]
-            target = TARGETS[model] if framework == "cardcage" else None
+            target = {"cardcage": TARGETS[model], "cage": CAGE_TARGET}.get(framework)
             rows.append(
                 {
                     "model": model,
@@ -277,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "" if target is None else ("pass" if ratio <= target else "MISS")
             label = f"{model} (w={MODELS[model]})"
             print(
-                f"{label:<12} {framework:<10} {per_step[framework]:>18,.0f} "
+                f"{label:<12} {framework:<12} {per_step[framework]:>18,.0f} "
                 f"{ratio:>7.3f} {target or '':>7} {verdict}"
             )
     print(
@@ -288,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"counts": {"/".join(map(str, k)): v for k, v in counts.items()}, "rows": rows},
+                {
+                    "counts": {"/".join(map(str, k)): v for k, v in counts.items()},
+                    "rows": rows,
+                    "skipped": [name for name in overhead.OWN_LOOPS if not own[name]],
+                },
                 indent=1,
             )
         )

@@ -1,5 +1,8 @@
 """Per-step overhead and peak memory of cardcage against a plain PyTorch loop (and Lightning).
 
+Both ways of training with cardcage are measured: its ``Trainer`` (the loop is cardcage's)
+and ``cardcage.Cage`` (the user's own loop, beside Lightning Fabric and Accelerate).
+
 Usage::
 
     python benchmarks/overhead.py                # full: 9 rounds x 2000 steps per variant
@@ -11,6 +14,7 @@ Usage::
     python benchmarks/overhead.py --paired 8 --rounds 6    # the loop's own cost, in one process
     python benchmarks/overhead.py --control --json a.json  # with an A/A control (plain twice)
     python benchmarks/overhead.py --pool a.json b.json     # the rounds of several runs together
+    python benchmarks/overhead.py --own-loop   # only plain, cage, fabric and accelerate
 
 What it compares, on the CPU with one thread (``torch.set_num_threads(1)``):
 
@@ -27,6 +31,25 @@ What it compares, on the CPU with one thread (``torch.set_num_threads(1)``):
   ``logger=False, enable_checkpointing=False, enable_model_summary=False``, its progress bar
   on, ``accelerator="cpu", devices=1``; only when one of the two is importable (the ``bench``
   extra of the top-level ``pyproject.toml`` installs it).
+
+The own-loop variants run the plain loop above, line for line, written as each library has
+its users write it, through the library's launcher where it has one. Their ``fit`` time is
+that call: making the optimizer, the set-up calls and the loop.
+
+* ``cage``: ``cardcage.Cage(distributed_backend="cpu")`` (one process), ``cage.launch(fn)``; in
+  ``fn``: ``model, optimizer = cage.setup(model, optimizer)``, ``loader =
+  cage.setup_dataloaders(loader)``, ``cage.backward(loss)`` in place of ``loss.backward()``;
+* ``fabric``: ``Fabric(accelerator="cpu", devices=1)``, ``fabric.launch(fn)``, the same calls
+  on ``fabric`` (``from lightning.fabric import Fabric``, else ``lightning_fabric``); only
+  when importable;
+* ``accelerate``: ``Accelerator(cpu=True)``; ``model, optimizer, loader =
+  accelerator.prepare(...)`` and ``accelerator.backward(loss)``, the loop called in this
+  process (one process needs no launcher in Accelerate); only when importable.
+
+Each calls ``training_step`` on the model its library handed back (for ``cage`` on one CPU
+process that is the user's module; Fabric's wrapper passes ``training_step``, one of the step
+methods it knows, to the module). None has a progress bar. ``--own-loop`` runs only these and
+``plain``; by default every variant runs.
 
 Every variant trains the same module (the same ``training_step`` and ``configure_optimizers``;
 Lightning's is a ``LightningModule`` with that body) on the same data: a ``TensorDataset`` of
@@ -67,9 +90,12 @@ the whole process, imports included (``import cardcage`` loads pluggy and every 
 backend plugin; Lightning loads far more), with its median difference from plain's.
 
 Targets for cardcage against plain: time ratio at most 1.05 for ``tiny`` and 1.02 for
-``mlp``, on both ``steady`` and ``fit``; peak RSS at most 5 MiB above plain. Lightning is shown
-for reference (known to use 17-22 MiB more than plain). The ``result`` column judges the
-wall-clock medians, then the CPU-time medians (``wall/CPU``); the RSS delta counts in both.
+``mlp``, on both ``steady`` and ``fit``; peak RSS at most 5 MiB above plain. Lightning, Fabric
+and Accelerate are shown for reference (Lightning is known to use 17-22 MiB more than plain).
+``cage`` is measured, not judged here: its target (1.01 of plain) is on the instruction count
+of ``instructions.py``, finer than the wall-clock noise of this benchmark. The ``result``
+column judges the wall-clock medians, then the CPU-time medians (``wall/CPU``); the RSS delta
+counts in both.
 A missed target is a finding, not an error: the exit status is non-zero only when a run
 fails. On a loaded machine use more rounds and steps, and read the quartiles.
 
@@ -109,6 +135,13 @@ MODELS = {"tiny": 32, "mlp": 256}
 TIME_TARGETS = {"tiny": 1.05, "mlp": 1.02}
 RSS_TARGET_MIB = 5.0
 TIMINGS = ("steady_step_s", "fit_step_s", "steady_cpu_step_s", "fit_cpu_step_s")
+# the user's own loop, each library's way; the others are trainers (their loop, not the user's)
+OWN_LOOPS = ("cage", "fabric", "accelerate")
+INSTALL = {
+    "cage": "pip install -e core",
+    "fabric": "pip install lightning",
+    "accelerate": "pip install accelerate",
+}
 
 
 # -- one variant, one process ------------------------------------------------------------------
@@ -123,18 +156,57 @@ def _lightning() -> Any:
     return pl
 
 
-def lightning_available() -> str | None:
-    """The importable Lightning distribution and version, without importing it."""
+def _installed(candidates: tuple[tuple[str, str], ...]) -> str | None:
+    """The first importable ``(module, distribution)`` as "distribution version", without
+    importing it (the parent process stays small: no torch)."""
     import importlib.metadata as md
     import importlib.util
 
-    for module, dist in (("pytorch_lightning", "pytorch-lightning"), ("lightning", "lightning")):
+    for module, dist in candidates:
         if importlib.util.find_spec(module) is not None:
             try:
                 return f"{dist} {md.version(dist)}"
             except md.PackageNotFoundError:
                 return module
     return None
+
+
+def lightning_available() -> str | None:
+    """The importable Lightning distribution and version, without importing it."""
+    return _installed((("pytorch_lightning", "pytorch-lightning"), ("lightning", "lightning")))
+
+
+def lightning_note(found: str | None, own_loop: bool, no_lightning: bool) -> str:
+    """What the run says of Lightning's Trainer variant."""
+    if own_loop or no_lightning:
+        return "left out (" + ("--own-loop" if own_loop else "--no-lightning") + ")"
+    return found or "not installed, skipped (pip install -e .[bench])"
+
+
+def _fabric() -> Any:
+    """Lightning Fabric's ``Fabric`` class: ``lightning.fabric``'s, else ``lightning_fabric``'s."""
+    try:
+        from lightning.fabric import Fabric
+    except ImportError:
+        from lightning_fabric import Fabric  # type: ignore[no-redef]
+    return Fabric
+
+
+def own_loop_available() -> dict[str, str | None]:
+    """Per own-loop variant, what provides it ("distribution version"), or None: not
+    importable here. ``cage`` is this repository's cardcage."""
+    return {
+        "cage": _installed((("cardcage", "cardcage-core"),)),
+        # pytorch-lightning ships lightning_fabric as a module of its own distribution
+        "fabric": _installed(
+            (
+                ("lightning", "lightning"),
+                ("lightning_fabric", "lightning-fabric"),
+                ("lightning_fabric", "pytorch-lightning"),
+            )
+        ),
+        "accelerate": _installed((("accelerate", "accelerate"),)),
+    }
 
 
 def build(
@@ -149,11 +221,15 @@ def build(
     base: type[nn.Module] = nn.Module
     if framework == "lightning":
         base = _lightning().LightningModule
-    elif framework.startswith("cardcage"):
+    elif framework.startswith("cardcage") or framework == "cage":
         import cardcage  # (part of what cardcage costs: pluggy, the plugins)
 
         if framework == "cardcage-log":  # self.log of one value a step
             base = cardcage.Module
+    elif framework == "fabric":
+        _fabric()  # the import, before any timing as for the others
+    elif framework == "accelerate":
+        import accelerate  # noqa: F401
     logs = framework == "cardcage-log"
 
     perf_counter, process_time = time.perf_counter, time.process_time
@@ -239,6 +315,105 @@ def settle(gc_mode: str) -> None:
         gc.freeze()
 
 
+def cage_loop(cage: Any, model: Any, loader: Any, steps: int) -> int:
+    """The plain loop of :func:`train`, written for ``cardcage.Cage``; ``cage.launch`` runs it.
+
+    The lines the plain loop does not have: ``cage.setup``, ``cage.setup_dataloaders`` and
+    ``cage.backward``. Module-level, as a function a spawning backend pickles must be.
+    """
+    optimizer = model.configure_optimizers()
+    model, optimizer = cage.setup(model, optimizer)
+    loader = cage.setup_dataloaders(loader)
+    model.train()
+    step = 0
+    while step < steps:
+        for batch_idx, batch in enumerate(loader):
+            optimizer.zero_grad()
+            loss = model.training_step(batch, batch_idx)
+            cage.backward(loss)
+            optimizer.step()
+            step += 1
+            if step >= steps:
+                break
+    return step
+
+
+def fabric_loop(fabric: Any, model: Any, loader: Any, steps: int) -> int:
+    """The plain loop, written for Lightning Fabric; ``fabric.launch`` runs it."""
+    optimizer = model.configure_optimizers()
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(loader)
+    model.train()
+    step = 0
+    while step < steps:
+        for batch_idx, batch in enumerate(loader):
+            optimizer.zero_grad()
+            loss = model.training_step(batch, batch_idx)
+            fabric.backward(loss)
+            optimizer.step()
+            step += 1
+            if step >= steps:
+                break
+    return step
+
+
+def accelerate_loop(accelerator: Any, model: Any, loader: Any, steps: int) -> int:
+    """The plain loop, written for HuggingFace Accelerate (``prepare``, ``backward``)."""
+    optimizer = model.configure_optimizers()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+    step = 0
+    while step < steps:
+        for batch_idx, batch in enumerate(loader):
+            optimizer.zero_grad()
+            loss = model.training_step(batch, batch_idx)
+            accelerator.backward(loss)
+            optimizer.step()
+            step += 1
+            if step >= steps:
+                break
+    return step
+
+
+def own_loop(
+    framework: str, model: Any, loader: Any, steps: int, gc_mode: str
+) -> tuple[float, float, int, Collections]:
+    """:func:`train` for the own-loop variants: the library's object is made first (as the
+    Trainer is, outside the timed region); timed: the launch, or the loop's call."""
+    perf_counter, process_time = time.perf_counter, time.process_time
+    if framework == "cage":
+        import cardcage
+
+        cage = cardcage.Cage(distributed_backend="cpu")
+        assert cage.selection.accelerator == "cpu", cage.selection
+
+        def run() -> int:
+            return int(cage.launch(cage_loop, model, loader, steps))
+
+    elif framework == "fabric":
+        fabric = _fabric()(accelerator="cpu", devices=1)
+
+        def run() -> int:
+            return int(fabric.launch(fabric_loop, model, loader, steps))
+
+    elif framework == "accelerate":
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+
+        def run() -> int:
+            return accelerate_loop(accelerator, model, loader, steps)
+
+    else:
+        raise ValueError(f"unknown framework {framework!r}")
+    settle(gc_mode)
+    with Collections() as collections:
+        start, cpu = perf_counter(), process_time()
+        done = run()
+        elapsed, cpu = perf_counter() - start, process_time() - cpu
+    return elapsed, cpu, done, collections
+
+
 def train(
     framework: str,
     model: Any,
@@ -251,9 +426,11 @@ def train(
     the garbage collections in between.
 
     For ``plain`` the timed region is what ``fit`` does for the others: make the optimizer,
-    put the module in training mode, loop.
+    put the module in training mode, loop. The own-loop variants: see :func:`own_loop`.
     """
     perf_counter, process_time = time.perf_counter, time.process_time
+    if framework in OWN_LOOPS:
+        return own_loop(framework, model, loader, steps, gc_mode)
     if framework.startswith("plain"):  # plain, or plain.again (--control)
         settle(gc_mode)
         with Collections() as collections:
@@ -533,6 +710,9 @@ def summarise(results: list[dict[str, Any]], frameworks: list[str]) -> list[dict
                 "plain": ("baseline", None),
                 "plain.again": ("A/A control", None),
                 "lightning": ("reference", None),
+                "fabric": ("reference", None),
+                "accelerate": ("reference", None),
+                "cage": ("measured", None),
             }.get(framework, (f"<={TIME_TARGETS[model]:.2f}x, <=+{RSS_TARGET_MIB:.0f} MiB", None))
             if framework.startswith("cardcage-ckpt"):
                 row["target"] = "measured"
@@ -726,7 +906,7 @@ def pool(paths: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="cardcage's per-step overhead and peak RSS against a plain PyTorch loop "
-        "(and Lightning, when installed). See the module docstring."
+        "(and Lightning, Fabric and Accelerate, when installed). See the module docstring."
     )
     parser.add_argument(
         "--quick",
@@ -751,7 +931,13 @@ def main(argv: list[str] | None = None) -> int:
         "default: leave the collector alone",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the round orders")
-    parser.add_argument("--no-lightning", action="store_true", help="leave Lightning out")
+    parser.add_argument("--no-lightning", action="store_true", help="leave Lightning's Trainer out")
+    parser.add_argument(
+        "--own-loop",
+        action="store_true",
+        help="only the own-loop variants: plain, cage, and fabric and accelerate where "
+        "installed (no Trainer)",
+    )
     parser.add_argument(
         "--step-checkpoints",
         type=int,
@@ -769,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile",
         metavar="VARIANT",
-        choices=["cardcage", "lightning"],
+        choices=["cardcage", "lightning", *OWN_LOOPS],
         help="instead: profile VARIANT and the plain loop in this process, and list the "
         "calls per step VARIANT makes beyond plain",
     )
@@ -812,14 +998,18 @@ def main(argv: list[str] | None = None) -> int:
         profile(args.profile, args.width, steps, steps_per_epoch, args.loader, args.top)
         return 0
 
-    frameworks = ["plain", "cardcage"]
+    if args.own_loop and args.step_checkpoints:
+        parser.error("--step-checkpoints measures the Trainer: not with --own-loop")
+    frameworks = ["plain"] if args.own_loop else ["plain", "cardcage"]
     if args.control:
         frameworks.append("plain.again")
     if args.step_checkpoints:
         frameworks.append(f"cardcage-ckpt-{args.step_checkpoints}")
-    lightning = None if args.no_lightning else lightning_available()
+    lightning = None if args.no_lightning or args.own_loop else lightning_available()
     if lightning:
         frameworks.append("lightning")
+    own = own_loop_available()
+    frameworks += [name for name in OWN_LOOPS if own[name]]
 
     import importlib.metadata
     import platform
@@ -832,10 +1022,12 @@ def main(argv: list[str] | None = None) -> int:
         f"({epochs} epochs of {steps_per_epoch}, batch {BATCH}, {args.loader} loader, "
         f"gc {args.gc}), "
         f"1 torch thread; torch {torch_version}, python {platform.python_version()}, "
-        f"{cpus} CPUs, load average {loads[0]:.2f}; lightning: "
-        f"{lightning or 'not installed (pip install -e .[bench])'}",
+        f"{cpus} CPUs, load average {loads[0]:.2f}",
         flush=True,
     )
+    print(f"  lightning: {lightning_note(lightning, args.own_loop, args.no_lightning)}")
+    for name in OWN_LOOPS:
+        print(f"  {name}: {own[name] or f'not importable here, skipped ({INSTALL[name]})'}")
     rng = random.Random(args.seed)
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -881,7 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
         notes = ["same weights as plain" if row["same_weights"] else "WEIGHTS DIFFER from plain"]
         if not row["steps_ok"]:
             notes.append("DID NOT RUN the asked number of steps")
-        if not row["log_bytes"] and row["framework"] != "plain.again":
+        has_bar = row["framework"] not in ("plain.again", *OWN_LOOPS)
+        if not row["log_bytes"] and has_bar:
             notes.append("its progress bar wrote nothing")
         print(
             f"  {row['framework']}/{row['model']}: {', '.join(notes)}; bar output "
@@ -908,6 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
                     "epochs": epochs,
                     "loader": args.loader,
                     "load_averages": loads,
+                    "skipped": [name for name in OWN_LOOPS if not own[name]],
                     "runs": results,
                     "summary": rows,
                 },
