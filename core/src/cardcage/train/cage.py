@@ -493,6 +493,8 @@ class _Process:
         self.launched = launched
         #: id of a user's module or of what setup returned -> (trained module, wrapper).
         self.modules: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}
+        #: What those ids belong to, held while ``fn`` runs: no other object takes an id.
+        self.held: list[torch.nn.Module] = []
         self.trained: list[torch.nn.Module] = []
         #: id of a parameter a backend replaced -> its replacement (fsdp's shards).
         self.replaced: dict[int, torch.nn.Parameter] = {}
@@ -531,11 +533,13 @@ class _Process:
             if new is not None and new is not parameter:
                 self.replaced[id(parameter)] = new
         self.trained.append(trained)
+        self.held.append(model)
         if wrapped is model:
             self.modules[id(model)] = (trained, wrapped)
             return model
         call = functools.partial(wrapped, CALL) if runs_steps(wrapped) else wrapped
         module = _CageModule(trained, call, self)
+        self.held.append(module)
         self.modules[id(model)] = self.modules[id(module)] = (trained, wrapped)
         return module
 
@@ -596,6 +600,7 @@ class _Process:
     def backward(self, loss: torch.Tensor) -> None:
         if not self.checked:
             self.check_first_backward()
+        self.beat()  # before it communicates: a rank that never gets here stays behind
         if self.plain_backward:
             loss.backward()  # type: ignore[no-untyped-call]
         else:
@@ -788,7 +793,9 @@ class _CageModule(torch.nn.Module):
         self.__dict__["_process"] = process
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.__dict__["_process"].forwarded = True
+        process = self.__dict__["_process"]
+        process.forwarded = True
+        process.beat()  # before the wrapper's forward, which may wait for the other ranks
         return self.__dict__["_call"](*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
