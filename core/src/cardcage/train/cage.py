@@ -827,7 +827,11 @@ class _CageOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        # torch's default without an argument: a backend's wrapper may take none
+        if set_to_none:
+            self._optimizer.zero_grad()
+        else:
+            self._optimizer.zero_grad(set_to_none=False)
 
     def state_dict(self) -> dict[str, Any]:
         return self._optimizer.state_dict()
