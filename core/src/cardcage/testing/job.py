@@ -7,7 +7,9 @@ every rank) runs the scenarios in order, each with fresh Trainers, and writes wh
 from the plain loop's), so a backend must start every rank from rank 0's weights. A scenario
 named ``fail`` makes rank 1 raise at its second step; it runs alone, in an invocation of its
 own, and so do ``resize_save`` and ``resize_resume`` (jobs of two world sizes, one resuming
-the other's checkpoint).
+the other's checkpoint). The own-loop scenarios (``cage_*``, :mod:`cardcage.testing.own_loop`)
+run after the others, all in one ``cardcage.Cage.launch``; their training processes write
+their results themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 import cardcage
+from cardcage.testing import own_loop
 from cardcage.testing.models import (
     SAMPLES,
     SCENARIO,
@@ -294,7 +297,10 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     job = Job(spec)
     job.out.mkdir(parents=True, exist_ok=True)
+    own = [name for name in spec["scenarios"] if name in own_loop.SCENARIOS]
     for name in spec["scenarios"]:
+        if name in own:
+            continue
         os.environ[SCENARIO] = name
         seed_for_rank(_rank())  # every rank but 0 builds other initial weights
         result = SCENARIOS[name](job)
@@ -304,6 +310,9 @@ def main(argv: list[str]) -> int:
         partial = target.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(result))
         os.replace(partial, target)
+    if own:  # one launch for all of them: their processes start once
+        os.environ[SCENARIO] = own_loop.LAUNCH
+        own_loop.run(job.flags, own, job.batch, job.out)
     return 0
 
 

@@ -9,6 +9,7 @@ this module when they unpickle the model, so they trace too.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections.abc import Generator
@@ -157,32 +158,58 @@ class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def make_net(seed: int) -> torch.nn.Sequential:
+    """The kit's net, its weights drawn as ``Linear``'s default (uniform within
+    ``1/sqrt(fan_in)``) from a generator of its own seeded with ``seed``: threads that build
+    nets at once (XLA's replicas on the CPU are threads of one process) each get their
+    seed's. Torch's global generator is seeded with ``seed`` too, so that one process's
+    shuffles after it draw as the plain loop's do."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
+    net = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
     )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in (net[0], net[2]):
+            assert isinstance(layer, torch.nn.Linear)
+            bound = 1.0 / math.sqrt(layer.in_features)
+            layer.weight.uniform_(-bound, bound, generator=generator)
+            layer.bias.uniform_(-bound, bound, generator=generator)
+    return net
 
 
 def make_optimizers(net: torch.nn.Module, kind: str) -> tuple[list[Any], list[Any]]:
     """The optimizers and schedulers of ``kind``: sgd (momentum), adam (with a StepLR each
     epoch), two, step_lr (momentum SGD with a StepLR after every optimizer step: a scheduler
     dict with ``"interval": "step"``)."""
+    optimizers = new_optimizers(net, kind)
+    return optimizers, make_schedulers(optimizers, kind)
+
+
+def new_optimizers(net: torch.nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``kind`` over ``net``'s parameters (see :func:`make_optimizers`)."""
     if kind == "adam":
-        adam = torch.optim.Adam(net.parameters(), lr=0.01)
-        return [adam], [torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)]
-    if kind == "step_lr":
-        sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        scheduler = torch.optim.lr_scheduler.StepLR(
-            sgd, step_size=STEP_LR_SIZE, gamma=STEP_LR_GAMMA
-        )
-        return [sgd], [{"scheduler": scheduler, "interval": "step"}]
+        return [torch.optim.Adam(net.parameters(), lr=0.01)]
     if kind == "two":
         first, second = net[0], net[2]  # type: ignore[index]
         return [
             torch.optim.SGD(first.parameters(), lr=0.05, momentum=0.9),
             torch.optim.Adam(second.parameters(), lr=0.01),
-        ], []
-    return [torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)], []
+        ]
+    return [torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)]
+
+
+def make_schedulers(optimizers: list[torch.optim.Optimizer], kind: str) -> list[Any]:
+    """The schedulers of ``kind`` over ``optimizers`` (those :func:`new_optimizers` made, or
+    what a backend made of them): for adam, a StepLR stepped each epoch; for step_lr, one in
+    a dict stepped after every optimizer step; none for the others."""
+    if kind == "adam":
+        return [torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=1, gamma=0.5)]
+    if kind == "step_lr":
+        scheduler = torch.optim.lr_scheduler.StepLR(
+            optimizers[0], step_size=STEP_LR_SIZE, gamma=STEP_LR_GAMMA
+        )
+        return [{"scheduler": scheduler, "interval": "step"}]
+    return []
 
 
 class KitModel(torch.nn.Module):

@@ -3,7 +3,8 @@
 Registered through the ``pytest11`` entry point of cardcage-core, so a plugin's tests need
 only subclass :class:`~cardcage.testing.BackendSuite`. Each check that takes ``launch`` runs
 once per declared launch (class-scoped, so a launch's job runs once), and the training
-equivalence check once per scenario.
+equivalence checks once per scenario (``scenario``: the Trainer's; ``own_loop``: the
+own-loop scenarios of :class:`cardcage.Cage`).
 
 It also gives every test three fixtures: ``fake_cuda(n)`` makes torch report ``n`` GPUs for
 the rest of the test, for selection checks on a machine without them;
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def pytest_generate_tests(metafunc: Any) -> None:
-    from cardcage.testing.suite import SCENARIOS, SuiteBase
+    from cardcage.testing.suite import OWN_LOOP_SCENARIOS, SCENARIOS, SuiteBase
 
     cls = metafunc.cls
     if cls is None or not issubclass(cls, SuiteBase):
@@ -35,6 +36,8 @@ def pytest_generate_tests(metafunc: Any) -> None:
         metafunc.parametrize("launch", names, ids=names, scope="class")
     if "scenario" in metafunc.fixturenames:
         metafunc.parametrize("scenario", list(SCENARIOS))
+    if "own_loop" in metafunc.fixturenames:
+        metafunc.parametrize("own_loop", list(OWN_LOOP_SCENARIOS))
 
 
 @pytest.fixture

@@ -138,6 +138,20 @@ def clip_gradients(optimizer: torch.optim.Optimizer, algorithm: str, value: floa
         torch.nn.utils.clip_grad_value_(parameters, value)
 
 
+def first_gradient_norm(*, batch: int, world: int, accumulate: int = 1, seed: int = 0) -> float:
+    """The total 2-norm of the gradients of the plain loop's first optimizer step (whatever
+    the optimizer), before any clipping: of its ``accumulate`` global batches, as one
+    process holds them once the ranks' gradients are averaged."""
+    model = make_net(seed)
+    data = Regression(SAMPLES)
+    batches = global_batches(data, batch, world, 0, shuffle=False, drop_last=False)
+    for _, parts in zip(range(accumulate), batches, strict=False):
+        losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in parts]
+        (torch.stack(losses).mean() / accumulate).backward()  # type: ignore[no-untyped-call]
+    grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
+    return float(torch.cat(grads).norm())
+
+
 def weights(kind: str, *, seed: int = 0, **options: Any) -> list[float]:
     """Final weights of the plain loop for a fresh model of ``seed``."""
     model = make_net(seed)

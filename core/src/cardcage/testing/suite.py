@@ -20,6 +20,7 @@ import torch
 
 from cardcage.testing.harness import PYTHON, Harness
 from cardcage.testing.models import TRACE
+from cardcage.testing.own_loop import TRAINING
 
 #: The scenarios of :mod:`cardcage.testing.job` whose weights are checked against a plain loop.
 SCENARIOS = (
@@ -36,6 +37,8 @@ SCENARIOS = (
     "step_scheduler",
     "early_stop",
 )
+#: The own-loop scenarios (:mod:`cardcage.testing.own_loop`) whose weights are checked.
+OWN_LOOP_SCENARIOS = TRAINING
 #: Environments a selection is made in: plain, torchrun rank 1, SLURM, horovodrun, 2 nodes.
 ENVIRONMENTS: dict[str, dict[str, str]] = {
     "plain": {},
@@ -104,18 +107,20 @@ class JobOutput:
         data: dict[str, Any] = json.loads(path.read_text())
         return data
 
-    def results(self, scenario: str) -> dict[int, dict[str, Any]]:
+    def results(self, scenario: str, every_rank: bool = False) -> dict[int, dict[str, Any]]:
         """``{rank: result}`` of every process that wrote one for ``scenario``. Rank 0's must
         be there; where the kit started every rank's script itself (torchrun, horovodrun,
         nodes, ranks), every rank's must, or two processes took one rank. Under the
-        ``python`` command, spawned workers write none: their caller reports rank 0."""
+        ``python`` command, spawned workers write none: their caller reports rank 0. With
+        ``every_rank`` (the own-loop scenarios, whose training processes write their own),
+        every rank's must be there, whatever the command."""
         found: dict[int, dict[str, Any]] = {}
         for path in self.out.glob(f"{scenario}-rank*.json"):
             rank = path.name.removeprefix(f"{scenario}-rank").removesuffix(".json")
             if rank.isdigit():
                 found[int(rank)] = self.result(scenario, int(rank))
         wanted = {0}
-        if self.launch.command != "python":
+        if every_rank or self.launch.command != "python":
             wanted = set(range(self.launch.world_size))
         missing = sorted(wanted - set(found))
         assert self.returncode == 0 and not missing, (

@@ -273,6 +273,11 @@ def assert_checkpoint_holds_its_step(
 class TrainingChecks(SuiteBase):
     """Training equivalence, lifecycle, what fit leaves, checkpoints, failures."""
 
+    @classmethod
+    def job_scenarios(cls) -> list[str]:
+        """The scenarios of the kit's job for each launch, in order: those not skipped."""
+        return [s for s in SCENARIOS if s not in cls.skip]
+
     @pytest.fixture(scope="class")
     @classmethod
     def kit_job(cls, launch: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobOutput]:
@@ -280,9 +285,10 @@ class TrainingChecks(SuiteBase):
         cls.need_training()
         declared = cls.launches[launch]
         harness = Harness(tmp_path_factory.mktemp(f"kit-{cls.backend}-{launch}"))
-        scenarios = [s for s in SCENARIOS if s not in cls.skip]
         try:
-            yield run_job(harness, declared, scenarios, harness.root / "out", cls.batch_size)
+            yield run_job(
+                harness, declared, cls.job_scenarios(), harness.root / "out", cls.batch_size
+            )
         finally:
             left = harness.cleanup()
             assert not left, f"processes left behind: {left}"
@@ -291,12 +297,17 @@ class TrainingChecks(SuiteBase):
         """Every training process of the launch ran this suite's backend (or another backend
         of its plugin, such as a spawn variant); with no backend named, one of that backend's
         rules chose it. A launch that trains another backend proves nothing about this one."""
-        registry = plugins.registry({"CARDCAGE_PLUGINS_AUTOLOAD": "1"})
-        own = registry.canonical(self.backend) or self.backend
         processes = [
             e for events in job.traces().values() for e in events if e["event"] == "setup_process"
         ]
         assert processes, f"no training process was traced\n{job.output}"
+        self.assert_processes_ran_backend(job, processes)
+
+    def assert_processes_ran_backend(self, job: JobOutput, processes: list[dict[str, Any]]) -> None:
+        """Each of ``processes`` (``accelerator``, ``rule``, ``rank`` and ``scenario`` of a
+        training process) ran this suite's backend, as :meth:`assert_backend_trained` says."""
+        registry = plugins.registry({"CARDCAGE_PLUGINS_AUTOLOAD": "1"})
+        own = registry.canonical(self.backend) or self.backend
         for event in processes:
             trained = event["accelerator"]
             found = registry.accelerators.get(trained)
