@@ -105,8 +105,6 @@ class HorovodAccelerator(Accelerator):
     )
     #: The default of CARDCAGE_HOROVOD_SCALE_LR: multiply the learning rates, as the seed did.
     scale_lr: ClassVar[bool] = True
-    #: Inside ``skip_gradient_sync``: backward does not synchronize.
-    accumulating = False
 
     @classmethod
     def check_selection(cls, selection: Selection, env: Mapping[str, str]) -> None:
@@ -120,6 +118,8 @@ class HorovodAccelerator(Accelerator):
         # Read here too: workers inherit the value the calling process checked.
         self.scale_lr_by_size = scale_lr_setting(os.environ, default=self.scale_lr)
         self.distributed_optimizers: list[Any] = []
+        #: id of a DistributedOptimizer -> how many ``skip_gradient_sync`` contexts hold it.
+        self.held: dict[int, int] = {}
         # Our own count names the collectives: Horovod's default name counts handles per
         # process, which differ between ranks after uneven data, and the ranks would hang.
         self.collectives = 0
@@ -207,52 +207,95 @@ class HorovodAccelerator(Accelerator):
         return model
 
     def setup_optimizers(self, trainer: TrainerProtocol) -> None:
-        """Scale the learning rates; give each optimizer rank 0's settings and Horovod's wrapper."""
+        """Scale the learning rates (for the Trainer); give each optimizer rank 0's settings
+        and Horovod's wrapper.
+
+        Called by the Trainer after ``configure_optimizers`` and by a Cage for the optimizers
+        of each ``setup`` (``trainer`` is then a view of the modules set up so far, whose
+        parameter names are unique across them, as Horovod's collectives need)."""
         hvd = _hvd()
-        if self.scale_lr_by_size and self.world_size > 1:
+        if self.scale_lr_by_size and self.world_size > 1 and not own_loop(self, trainer):
             trainer.optimization.scale_learning_rates(self.world_size)
             if self.global_rank == 0:
                 how = "cardcage: horovod multiplied the learning rates by %d (%s=0 keeps them)"
                 log.info(how, self.world_size, SCALE_LR)
 
-        # Horovod's gradient hooks all-reduce a parameter's gradient at every
-        # accumulate_grad_batches-th backward only; the ones before add up locally.
-        passes = getattr(trainer.flags, "accumulate_grad_batches", 1)
-
         def distributed(optimizer: torch.optim.Optimizer) -> Any:
             broadcast_optimizer(hvd, optimizer, root_rank=0)
             named = named_parameters(self.unwrapped_model(trainer), optimizer)
-            return hvd.DistributedOptimizer(
-                optimizer, named_parameters=named, backward_passes_per_step=passes
+            # One backward pass per step: the hooks all-reduce each gradient as backward
+            # computes it. Accumulation holds them back in skip_gradient_sync instead, for
+            # the Trainer's accumulate_grad_batches and a Cage's no_backward_sync alike.
+            wrapped = hvd.DistributedOptimizer(
+                optimizer, named_parameters=named, backward_passes_per_step=1
             )
+            wrapped.state.update(optimizer.state)  # the wrapper is a new optimizer
+            type(wrapped).zero_grad = _zero_grad  # a class of its own, made by Horovod
+            return wrapped
 
         self.distributed_optimizers += trainer.optimization.wrap(distributed)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward, then wait for the averaged gradients of every optimizer; inside
-        ``skip_gradient_sync``, backward only. So the loop's ``clip_gradients`` (the
-        default) clips averaged gradients, and ``optimizer_step`` need not synchronize."""
+        """Backward, then wait for the averaged gradients of every optimizer (but those
+        ``skip_gradient_sync`` holds). So the loop's ``clip_gradients`` (the default) clips
+        averaged gradients, and ``optimizer_step`` need not synchronize."""
         self.precision.backward(loss)
-        if self.accumulating:
-            return
         for optimizer in self.distributed_optimizers:
-            optimizer.synchronize()
+            if id(optimizer) not in self.held:
+                optimizer.synchronize()
 
     @contextlib.contextmanager
     def skip_gradient_sync(self) -> Iterator[None]:
-        """The micro-batches before the last of an accumulated step: no ``synchronize`` in
-        backward, which would all-reduce every gradient at once. The hooks skip them too
-        (``backward_passes_per_step``); the last micro-batch's backward (or a shorter
-        group's, at the end of an epoch, through ``synchronize``) all-reduces the sums."""
-        self.accumulating = True
+        """Backward accumulates gradients without all-reducing them: for the micro-batches
+        before the last of the Trainer's accumulated step, and a Cage's
+        ``no_backward_sync(module)``.
+
+        Horovod's hooks all-reduce a parameter's gradient when its ``_allreduce_delay`` (the
+        backward passes still to come before the step) reaches 0: inside, it is set beyond
+        reach, so the hooks only count, and ``backward`` does not ``synchronize`` these
+        optimizers; on the way out it is set to 1, so the next backward outside all-reduces
+        the accumulated sums once (or ``synchronize``, if the step comes first). Held are the
+        optimizers of the module the Cage names (:attr:`parallel`), or, for the Trainer,
+        every optimizer."""
+        held = self.held_optimizers()
+        for optimizer in held:
+            count = self.held.get(id(optimizer), 0)
+            if count == 0:
+                delays = optimizer._allreduce_delay
+                for parameter in delays:
+                    delays[parameter] = HELD
+            self.held[id(optimizer)] = count + 1
         try:
             yield
         finally:
-            self.accumulating = False
+            for optimizer in held:
+                count = self.held.pop(id(optimizer)) - 1
+                if count:
+                    self.held[id(optimizer)] = count
+                    continue
+                delays = optimizer._allreduce_delay
+                for parameter in delays:
+                    delays[parameter] = 1
+
+    def held_optimizers(self) -> list[Any]:
+        """The DistributedOptimizers ``skip_gradient_sync`` holds: each holding a parameter
+        of :attr:`parallel` (the module a Cage's ``no_backward_sync`` names), or all."""
+        if self.parallel is None:
+            return list(self.distributed_optimizers)
+        mine = {id(p) for p in self.parallel.parameters()}
+        return [
+            optimizer
+            for optimizer in self.distributed_optimizers
+            if any(id(p) in mine for p in optimizer._allreduce_delay)
+        ]
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step on the gradients ``backward`` already averaged (through the grad scaler)."""
+        """Step on the gradients ``backward`` already averaged (through the grad scaler).
+        Gradients still held back (a step right after a backward inside
+        ``no_backward_sync``) are all-reduced first, as Horovod's own step would."""
         skip = getattr(optimizer, "skip_synchronize", None)
+        if skip is not None and getattr(optimizer, "_handles", None):
+            optimizer.synchronize()  # type: ignore[attr-defined]
         with skip() if skip is not None else contextlib.nullcontext():
             self.precision.step(optimizer)
 
@@ -276,6 +319,7 @@ class HorovodAccelerator(Accelerator):
         for optimizer in self.distributed_optimizers:
             optimizer._grad_accs.clear()
         self.distributed_optimizers = []
+        self.held = {}
 
     def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1 and _hvd().is_initialized():
@@ -304,6 +348,33 @@ class HorovodAccelerator(Accelerator):
         if self.selection.cluster == "horovod" or self.selection.num_processes <= 1:
             return InProcessLauncher(self)
         return HorovodRunLauncher(self)
+
+
+#: ``_allreduce_delay`` of a held parameter: more backward passes than any step takes.
+HELD = sys.maxsize
+
+
+def own_loop(strategy: Any, trainer: Any) -> bool:
+    """Whether ``trainer`` is a :class:`cardcage.Cage`'s view of the modules it set up
+    rather than the Trainer: a Cage user's loop holds the optimizers (their learning rates
+    are the user's), and the Trainer has a fit loop to run."""
+    flag = getattr(strategy, "own_loop", None)
+    if flag is not None:
+        return bool(flag)
+    return not hasattr(trainer, "run_fit_loop")
+
+
+def _zero_grad(self: Any, set_to_none: bool = True) -> None:
+    """``zero_grad`` for a Horovod ``DistributedOptimizer``, whose own takes no
+    ``set_to_none`` (a Cage's optimizer passes it on): Horovod's check, then the optimizer
+    class's ``zero_grad``."""
+    if self._handles:
+        raise AssertionError(
+            "optimizer.zero_grad() was called after loss.backward() but before "
+            "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+            "cause a race condition."
+        )
+    super(type(self), self).zero_grad(set_to_none=set_to_none)
 
 
 def scale_lr_setting(env: Mapping[str, str], default: bool = True) -> bool:

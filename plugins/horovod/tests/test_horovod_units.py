@@ -310,7 +310,9 @@ def test_without_horovod_availability_names_the_build_helper(
 
 def test_a_module_horovods_workers_cannot_import_travels_by_value(tmp_path: Path) -> None:
     path = tmp_path / "loose_model.py"
-    path.write_text("import torch\nclass Loose(torch.nn.Module):\n    pass\n")
+    path.write_text(
+        "import torch\nclass Loose(torch.nn.Module):\n    pass\ndef train(cage):\n    pass\n"
+    )
     spec = importlib.util.spec_from_file_location("loose_model", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -319,13 +321,21 @@ def test_a_module_horovods_workers_cannot_import_travels_by_value(tmp_path: Path
         spec.loader.exec_module(module)
 
         class Holder:
-            model = module.Loose()
-            train_dataloader = [torch.zeros(1)]
-            val_dataloaders: list[Any] = []
+            """The parts a job pickles: a Trainer's model and loader, or a Cage's fn."""
 
-        assert modules_by_value(Holder()) == [module]  # type: ignore[arg-type]
-        Holder.model = torch.nn.Linear(1, 1)
-        assert modules_by_value(Holder()) == []  # type: ignore[arg-type]
+            def __init__(self, **parts: Any):
+                self.parts = parts
+
+            def pickled_parts(self) -> dict[str, Any]:
+                return self.parts
+
+        def by_value(**parts: Any) -> list[Any]:
+            return modules_by_value(Holder(**parts))  # type: ignore[arg-type]
+
+        loader = [torch.zeros(1)]
+        assert by_value(model=module.Loose(), train_dataloader=loader) == [module]
+        assert by_value(model=torch.nn.Linear(1, 1), train_dataloader=loader) == []
+        assert by_value(fn=module.train, args=[torch.nn.Linear(1, 1)]) == [module]
     finally:
         del sys.modules["loose_model"]
 
