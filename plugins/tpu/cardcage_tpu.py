@@ -127,8 +127,10 @@ class TPUAccelerator(EngineStrategy, Accelerator):
         self.replicated = False  # a replica of a multi-core job (its collectives are live)
         #: ids of the optimizers whose gradients clip_gradients averaged for the next step.
         self.reduced: set[int] = set()
-        #: Whether gradients are accumulated over several programs (see reduce_gradients).
-        self.copy_gradients = False
+        #: Backward passes in this process, and that count at each optimizer's last step (by
+        #: id): more than one in between accumulates gradients (see reduce_gradients).
+        self.backwards = 0
+        self.stepped_at: dict[int, int] = {}
 
     def setup_environment(self) -> None:
         import torch_xla
@@ -163,13 +165,37 @@ class TPUAccelerator(EngineStrategy, Accelerator):
             self.world_size = 1
         super().setup_environment()
         self.moves_batches = True
-        self.copy_gradients = getattr(self.selection.flags, "accumulate_grad_batches", 1) > 1
 
     def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on this replica's device, with rank 0's parameters and buffers (as
+        DistributedDataParallel starts): each replica of a Cage builds its own model, and
+        replicas that are threads of one process share torch's random generator."""
         model.to(self.device)
-        return super().setup_module(model)
+        model = super().setup_module(model)
+        if self.collectives_live:
+            self.broadcast_state(model)
+        return model
+
+    def broadcast_state(self, model: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers, in place on every replica, in one program."""
+        import torch_xla.core.xla_model as xm
+
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.dtype != torch.bool and not tensor.is_complex():
+                by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        with torch.no_grad():
+            for tensors in by_dtype.values():
+                xm.collective_broadcast(tensors, root_ordinal=0)
+        self.step_barrier()
+
+    def setup_optimizers(self, trainer: TrainerProtocol) -> None:
+        """Count each new optimizer's backward passes from here (see reduce_gradients)."""
+        for optimizer in trainer.optimization.optimizers:
+            self.stepped_at[id(optimizer)] = self.backwards
 
     def backward(self, loss: torch.Tensor) -> None:
+        self.backwards += 1
         try:
             super().backward(loss)
         except RuntimeError as error:
@@ -187,29 +213,44 @@ class TPUAccelerator(EngineStrategy, Accelerator):
     ) -> torch.Tensor | None:
         """Average the gradients over the replicas first (which ``optimizer_step`` then does
         not repeat), then clip them as the default does: the norm is that of the averaged
-        gradients, as in one process."""
+        gradients, as in one process.
+
+        Replicas that are threads of this process run the all-reduce first (the step
+        barrier), so that reading the norm (a Cage's ``clip_gradients`` returns it) runs a
+        program without collectives: a thread that ran one holding the all-reduce alone
+        would wait for its peers forever (XLA:CPU's all-reduce meets only inside one
+        compiled program, see :meth:`sync`)."""
         self.reduce_gradients(optimizer)
         self.reduced.add(id(optimizer))
+        if self.threads > 1:
+            self.step_barrier()
         return super().clip_gradients(optimizer, value, algorithm)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Average the gradients over the replicas (unless ``clip_gradients`` did), then step:
-        ``xm.optimizer_step``'s work."""
+        ``xm.optimizer_step``'s work. Replicas that are threads of this process then run the
+        step (the step barrier), for the reason :meth:`clip_gradients` gives: a user's loop
+        may read the weights before the next batch."""
         if id(optimizer) in self.reduced:
             self.reduced.discard(id(optimizer))
         else:
             self.reduce_gradients(optimizer)
         optimizer.step()
+        self.stepped_at[id(optimizer)] = self.backwards
+        if self.threads > 1:
+            self.step_barrier()
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """``xm.reduce_gradients``. With ``accumulate_grad_batches > 1`` each gradient is
-        first replaced by a copy: with torch-xla 2.9 on XLA:CPU (two replicas), the in-place
+        """``xm.reduce_gradients``. When the gradients were accumulated over several backward
+        passes since ``optimizer``'s last step (``accumulate_grad_batches > 1``, a Cage's
+        ``no_backward_sync``, or two backward passes in a user's loop), each is first
+        replaced by a copy: with torch-xla 2.9 on XLA:CPU (two replicas), the in-place
         all-reduce left gradients accumulated over several programs as they were (each
         replica stepped on its own sum; the kit's ``accumulate`` scenario shows it), and a
         copy is reduced."""
         import torch_xla.core.xla_model as xm
 
-        if self.copy_gradients:
+        if self.backwards - self.stepped_at.get(id(optimizer), 0) > 1:
             for group in optimizer.param_groups:
                 for parameter in group["params"]:
                     if parameter.grad is not None:

@@ -65,10 +65,18 @@ def pickled(job: Any) -> bytes:
     return XmpLauncher(None).pickle(job)  # type: ignore[arg-type]
 
 
+class Job(SimpleNamespace):
+    """What xmp's launcher pickles: a Trainer's model and loaders, or a Cage's fn and args,
+    which it names (``pickled_parts``) when the whole does not pickle."""
+
+    def pickled_parts(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "flags"}
+
+
 def test_the_job_travels_as_plain_pickle_copies() -> None:
     model = torch.nn.Linear(2, 2)
     flags = SimpleNamespace(tpu_cores=8)
-    job = SimpleNamespace(model=model, train_dataloader=[1], val_dataloaders=[], flags=flags)
+    job = Job(model=model, train_dataloader=[1], val_dataloaders=[], flags=flags)
     copy = pickle.loads(pickled(job))
     assert copy.model.weight.data_ptr() != model.weight.data_ptr()
     assert torch.equal(copy.model.weight, model.weight)
@@ -77,13 +85,16 @@ def test_the_job_travels_as_plain_pickle_copies() -> None:
 def test_an_unpicklable_model_is_named_before_anything_starts() -> None:
     model = torch.nn.Linear(2, 2)
     model.hook = lambda: None  # type: ignore[assignment]
-    job = SimpleNamespace(
-        model=model,
-        train_dataloader=[1],
-        val_dataloaders=[],
-        flags=SimpleNamespace(tpu_cores=8),
-    )
+    job = Job(model=model, train_dataloader=[1], flags=SimpleNamespace(tpu_cores=8))
     with pytest.raises(MisconfigurationError, match=r"tpu_cores=8 sends the model .* pickl"):
+        pickled(job)
+
+
+def test_an_unpicklable_function_of_a_cage_is_named_before_anything_starts() -> None:
+    job = Job(
+        fn=lambda cage: None, args=[torch.nn.Linear(2, 2)], flags=SimpleNamespace(tpu_cores=8)
+    )
+    with pytest.raises(MisconfigurationError, match=r"tpu_cores=8 sends the fn .* pickl"):
         pickled(job)
 
 
