@@ -35,8 +35,14 @@ from cardcage.sdk import (
 class DDP2Accelerator(DistributedAccelerator):
     name = "ddp2"
     rules = ()
-    #: Inside ``skip_gradient_sync``: backward does not average across nodes.
-    accumulating = False
+
+    def __init__(self, selection: Any):
+        super().__init__(selection)
+        #: The modules :meth:`wrap` set up in this process (the Trainer's model, or each one
+        #: a Cage set up): backward averages their gradients.
+        self.wrapped: list[torch.nn.Module] = []
+        #: How many ``skip_gradient_sync`` contexts are open: backward does not average.
+        self.accumulating = 0
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:
@@ -74,6 +80,7 @@ class DDP2Accelerator(DistributedAccelerator):
         or the model itself (CPU). No DistributedDataParallel here, so no constructor
         broadcasts rank 0's parameters and buffers: ``broadcast_from_rank_zero`` does."""
         broadcast_from_rank_zero(model)
+        self.wrapped.append(model)
         runner = StepRunner(model, self.precision.autocast)
         gpu_ids = self.selection.gpu_ids
         return torch.nn.DataParallel(runner, device_ids=gpu_ids) if gpu_ids else runner
@@ -95,13 +102,14 @@ class DDP2Accelerator(DistributedAccelerator):
     @contextlib.contextmanager
     def skip_gradient_sync(self) -> Iterator[None]:
         """Backward leaves the nodes' gradients apart (summed locally) until the last
-        micro-batch of an accumulated step, whose backward averages the whole sum once:
-        the average of sums is the sum of averages."""
-        self.accumulating = True
+        micro-batch of an accumulated step (or a Cage's next backward outside
+        ``no_backward_sync``), whose backward averages the whole sum once: the average of
+        sums is the sum of averages."""
+        self.accumulating += 1
         try:
             yield
         finally:
-            self.accumulating = False
+            self.accumulating -= 1
 
     def _average_gradients(self) -> None:
         """One all-reduce of every gradient, flattened, divided by the number of nodes."""
@@ -116,8 +124,21 @@ class DDP2Accelerator(DistributedAccelerator):
             grad.copy_(averaged.view_as(grad))
 
     def parallel_parameters(self) -> list[torch.nn.Parameter]:
-        assert self.parallel is not None
-        return list(self.parallel.parameters())
+        """The parameters of every module set up in this process, each once, in set-up
+        order (the same on every node)."""
+        seen: set[int] = set()
+        found = []
+        for module in self.wrapped:
+            for parameter in module.parameters():
+                if id(parameter) not in seen:
+                    seen.add(id(parameter))
+                    found.append(parameter)
+        return found
+
+    def teardown(self, trainer: Any) -> None:
+        """Forget this job's modules (a later job in this process sets up its own)."""
+        self.wrapped = []
+        super().teardown(trainer)
 
 
 @hookimpl
