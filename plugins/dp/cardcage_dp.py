@@ -51,11 +51,18 @@ class DataParallelAccelerator(Accelerator):
         self.device = torch.device("cuda", gpu_ids[0])
         super().setup_environment()
         self.precision.check_device()
-        # DataParallel scatters the batch from wherever it is; only a float64 run casts.
-        self.moves_batches = self.precision.dtype is not None
+        # Batches go to the root GPU, where DataParallel gathers the outputs: a loss computed
+        # outside the model (a Cage user's loop) finds its targets there. DataParallel
+        # scatters the inputs from there to the replicas (as ddp2 on GPUs does).
+        self.moves_batches = True
 
     def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model on the root GPU, run in DataParallel replicas across the others."""
+        """The model on the root GPU, run in DataParallel replicas across the others.
+
+        A Cage calls what this returns as ``wrapper(CALL, *args, **kwargs)``: DataParallel
+        scatters every tensor in ``args`` and ``kwargs`` along dimension 0 and copies the
+        rest (the name) to each replica, whose :class:`StepRunner` calls the model on its
+        chunk; the outputs are gathered on the root GPU."""
         model.to(self.device)
         model = super().setup_module(model)
         return torch.nn.DataParallel(
