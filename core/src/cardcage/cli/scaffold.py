@@ -1,12 +1,13 @@
 """``cardcage new-plugin NAME``: write a new backend plugin distribution to start from.
 
 The distribution ``cardcage-NAME`` holds one module ``cardcage_NAME.py`` (an
-:class:`~cardcage.Accelerator` subclass with a rule, an availability and a
-``setup_process`` that really train, on the CPU, with the core's loop; with
-``--distributed``, a :class:`~cardcage.sdk.DistributedAccelerator` that trains one rank per
-process), its ``pyproject.toml`` (hatchling, the entry point ``NAME = "cardcage_NAME"`` in
-the group ``cardcage``), a README, tests that pass as written (the conformance kit
-included), and a ``noxfile.py`` whose session runs them with the core and the plugin alone.
+:class:`~cardcage.Accelerator` subclass with a rule, an availability, and a
+``setup_environment`` and ``setup_module`` that really train, on the CPU, with the core's
+loop or a ``cardcage.Cage``; with ``--distributed``, a
+:class:`~cardcage.sdk.DistributedAccelerator` that trains one rank per process), its
+``pyproject.toml`` (hatchling, the entry point ``NAME = "cardcage_NAME"`` in the group
+``cardcage``), a README, tests that pass as written (the conformance kit included), and a
+``noxfile.py`` whose session runs them with the core and the plugin alone.
 The templates are files under ``cardcage/templates/plugin/``, filled in with
 :class:`string.Template` (``$name``, ``$module``, ...).
 """
@@ -85,7 +86,8 @@ README = {
         "tests": "The conformance kit (`tests/test_conformance.py`) trains it in two processes\n"
         "against a plain PyTorch loop and checks its checkpoints and failures.",
         "subclass": "It subclasses `DistributedAccelerator`, imported from `cardcage.sdk` like\n"
-        "  every name it uses; override `setup_process`, `wrap` or `launcher` there.",
+        "  every name it uses; override `setup_environment`, `setup_module`, `wrap` or\n"
+        "  `launcher` there.",
     },
 }
 
