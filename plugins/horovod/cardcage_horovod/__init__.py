@@ -214,7 +214,7 @@ class HorovodAccelerator(Accelerator):
         of each ``setup`` (``trainer`` is then a view of the modules set up so far, whose
         parameter names are unique across them, as Horovod's collectives need)."""
         hvd = _hvd()
-        if self.scale_lr_by_size and self.world_size > 1 and not own_loop(self, trainer):
+        if self.scale_lr_by_size and self.world_size > 1 and not self.own_loop:
             trainer.optimization.scale_learning_rates(self.world_size)
             if self.global_rank == 0:
                 how = "cardcage: horovod multiplied the learning rates by %d (%s=0 keeps them)"
@@ -353,15 +353,6 @@ class HorovodAccelerator(Accelerator):
 #: ``_allreduce_delay`` of a held parameter: more backward passes than any step takes.
 HELD = sys.maxsize
 
-
-def own_loop(strategy: Any, trainer: Any) -> bool:
-    """Whether ``trainer`` is a :class:`cardcage.Cage`'s view of the modules it set up
-    rather than the Trainer: a Cage user's loop holds the optimizers (their learning rates
-    are the user's), and the Trainer has a fit loop to run."""
-    flag = getattr(strategy, "own_loop", None)
-    if flag is not None:
-        return bool(flag)
-    return not hasattr(trainer, "run_fit_loop")
 
 
 def _zero_grad(self: Any, set_to_none: bool = True) -> None:

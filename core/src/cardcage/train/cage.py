@@ -197,6 +197,7 @@ class Cage:
                 "cage.launch starts: call the Cage's per-process methods (setup, backward, "
                 "all_reduce...) inside the function you pass to cage.launch(fn)."
             )
+        self.accelerator.own_loop = True
         self.accelerator.setup_environment()
         self._process = _Process(self, None, restarts=0, launched=False)
         return self._process
@@ -439,6 +440,7 @@ class CageJob:
         process = _Process(cage, heart, restarts=max(restarts, restart_count(os.environ)))
         cage._process = process
         try:
+            strategy.own_loop = True
             strategy.setup_environment()
             value = self.fn(cage, *self.args, **self.kwargs)
             process.beat()

@@ -40,6 +40,10 @@ class Strategy:
     device: torch.device
     #: Whether batches need ``batch_to_device`` (False lets the loop skip the call).
     moves_batches: bool = False
+    #: Whether this process runs a loop the user writes (:class:`cardcage.Cage` sets it before
+    #: ``setup_environment``): a backend's choices that belong to the Trainer's loop
+    #: (horovod multiplying the learning rates) read it.
+    own_loop: bool = False
     #: What the Trainer's steps run through: the module :meth:`setup_module` returned for
     #: the Trainer's model when it is not the model itself (a wrapper, a sharded copy).
     parallel: torch.nn.Module | None = None
