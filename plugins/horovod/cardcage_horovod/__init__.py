@@ -354,7 +354,6 @@ class HorovodAccelerator(Accelerator):
 HELD = sys.maxsize
 
 
-
 def _zero_grad(self: Any, set_to_none: bool = True) -> None:
     """``zero_grad`` for a Horovod ``DistributedOptimizer``, whose own takes no
     ``set_to_none`` (a Cage's optimizer passes it on): Horovod's check, then the optimizer
