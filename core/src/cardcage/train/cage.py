@@ -17,7 +17,6 @@ The whole API is described in docs/own-loop.md.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import inspect
@@ -29,9 +28,7 @@ from typing import Any
 
 import torch
 
-from cardcage import devices
 from cardcage.backend.accelerator import Accelerator
-from cardcage.backend.launch import rendezvous
 from cardcage.backend.launch.error_files import record_fit_finished
 from cardcage.backend.launch.launcher import InProcessLauncher
 from cardcage.backend.launch.restarts import RESTARTS, restart_count, this_run
@@ -46,7 +43,9 @@ from cardcage.config.flags import FLAG_NAMES, LATER_FLAGS, did_you_mean
 from cardcage.config.model_contract import Optimization
 from cardcage.errors import MisconfigurationError
 from cardcage.plugins import manager as plugins
-from cardcage.selection.engine import probe_pending_gpus, select
+from cardcage.selection.engine import select
+from cardcage.train.jobs import apply_process_flags, portable_backend, prepare_launch
+from cardcage.train.process_state import as_found
 
 #: The Trainer's flags that the Cage takes: those of the backend, not of the loop.
 CAGE_FLAGS = (
@@ -162,19 +161,9 @@ class Cage:
                 "cage.launch was called inside a launched function: every process already "
                 "runs it. Call the function directly."
             )
-        from cardcage.train.process_state import as_found
-
         job = CageJob(self, fn, args, kwargs)
         with as_found(job):
-            probed = probe_pending_gpus(self.selection)
-            if probed is not self.selection:
-                self.selection = self.accelerator.selection = job.selection = probed
-            if self.selection.gpu_ids:
-                devices.apply_cuda_environment(
-                    self.selection.gpu_ids,
-                    slurm_managing_tasks=self.selection.cluster == "slurm",
-                )
-            rendezvous.check_launch(self.selection, self.accelerator.needs_rendezvous)
+            self.selection = job.selection = prepare_launch(self.selection, self.accelerator)
             hooks = job.hooks()
             with this_run(job):  # type: ignore[arg-type]  # what restarts read of a Trainer
                 hooks.cardcage_setup(trainer=job, accelerator=self.accelerator)
@@ -350,12 +339,9 @@ class Cage:
         state = self.__dict__.copy()
         state["_registry"] = None  # pluggy's manager stays behind; the job reloads it
         state["_process"] = None  # each process sets its own up
-        # the environment the selection was made in stays here (it holds os.environ)
-        selection = dataclasses.replace(self.selection, environment=None)
-        state["selection"] = selection
-        accelerator = copy.copy(self.accelerator)
-        accelerator.selection = selection
-        state["accelerator"] = accelerator
+        state["selection"], state["accelerator"] = portable_backend(
+            self.selection, self.accelerator
+        )
         return state
 
 
@@ -429,12 +415,7 @@ class CageJob:
         """Run ``fn`` in this training process: the backend's environment, ``fn``, rank 0's
         value for every rank, the backend's teardown (also after a failure)."""
         cage, strategy = self.cage, self.cage.accelerator
-        if self.flags.benchmark:
-            torch.backends.cudnn.benchmark = True
-        if self.flags.deterministic:
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
+        apply_process_flags(self.flags)
         heart = attach_heart()  # before setup: a rank stuck there shows its pid and stack
         restarts = max(self.restarts, int(os.environ.get(RESTARTS, "0") or 0))
         process = _Process(cage, heart, restarts=max(restarts, restart_count(os.environ)))

@@ -6,17 +6,14 @@ its restore, and where the first epoch continues) is in :mod:`cardcage.train.res
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from typing import Any
 
 import torch
 
-from cardcage import devices
 from cardcage._version import __version__
 from cardcage.backend.accelerator import Accelerator
-from cardcage.backend.launch import rendezvous
 from cardcage.backend.launch.error_files import record_fit_finished
 from cardcage.backend.launch.restarts import this_run
 from cardcage.backend.launch.watchdog import attach as attach_heart
@@ -30,10 +27,11 @@ from cardcage.config.model_contract import Optimization, check_model, configure_
 from cardcage.errors import MisconfigurationError
 from cardcage.loggers import resolve as resolve_logger
 from cardcage.plugins import manager as plugins
-from cardcage.selection.engine import probe_pending_gpus, select
+from cardcage.selection.engine import select
 from cardcage.train import loop, predicting, requeue, stop_step
 from cardcage.train import resume as resuming
 from cardcage.train.hooks import Hooks, warn_near_misses
+from cardcage.train.jobs import apply_process_flags, portable_backend, prepare_launch
 from cardcage.train.metrics import MetricStore
 from cardcage.train.module import TRAINER_ATTRIBUTE
 from cardcage.train.process_state import as_found
@@ -295,14 +293,8 @@ class Trainer:
         with as_found(self):  # the process as it was, after a fit that returns or fails
             # before any process, port or CUDA context
             self._checked = resuming.check(self, self.accelerator, model)
-            self._probe_auto_selected_gpus()
-            if self.selection.gpu_ids:
-                devices.apply_cuda_environment(
-                    self.selection.gpu_ids,
-                    slurm_managing_tasks=self.selection.cluster == "slurm",
-                )
-            # MASTER_ADDR, MASTER_PORT, the process count: checked before any process or port
-            rendezvous.check_launch(self.selection, self.accelerator.needs_rendezvous)
+            # the GPUs, MASTER_ADDR, MASTER_PORT, the process count
+            self.selection = prepare_launch(self.selection, self.accelerator)
             hooks = self._hooks()
             # The run its checkpoints record, and which ones a restart may take.
             with this_run(self):
@@ -312,13 +304,6 @@ class Trainer:
                 finally:
                     self._checked = None  # a backend that never resumed here: let go of it
         return self.results
-
-    def _probe_auto_selected_gpus(self) -> None:
-        """``auto_select_gpus`` without NVML: the GPUs are probed now, when training starts
-        (``select`` must create no CUDA context); see :func:`selection.probe_pending_gpus`."""
-        probed = probe_pending_gpus(self.selection)
-        if probed is not self.selection:
-            self.selection = self.accelerator.selection = probed
 
     def validate(
         self, model: torch.nn.Module | None = None, dataloaders: Any = None
@@ -419,12 +404,7 @@ class Trainer:
         """Train in this process: set it up, run the loop, tear it down (also after a
         failure). Launchers call it once in every training process."""
         hooks = self._hooks()
-        if self.flags.benchmark:  # in every training process (as_found restores the caller)
-            torch.backends.cudnn.benchmark = True
-        if self.flags.deterministic:
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
+        apply_process_flags(self.flags)
         heart = attach_heart()  # before setup: a rank stuck there shows its pid and stack
         try:
             self.prepare()
@@ -522,11 +502,9 @@ class Trainer:
         state["metrics"] = MetricStore()  # each worker starts its own (start_metrics)
         state["hooks"] = None
         state["caller_rng"] = checkpoint.rng_state()  # workers draw as the script would
-        selection = dataclasses.replace(self.selection, environment=None)
-        state["selection"] = selection
-        accelerator = copy.copy(self.accelerator)
-        accelerator.selection = selection
-        state["accelerator"] = accelerator
+        state["selection"], state["accelerator"] = portable_backend(
+            self.selection, self.accelerator
+        )
         return state
 
     def _hooks(self) -> Any:
