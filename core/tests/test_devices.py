@@ -283,7 +283,12 @@ def test_auto_select_without_nvml_probes_the_gpus_when_training_starts(
     trainer = cardcage.Trainer(gpus=2, auto_select_gpus=True, distributed_backend="dp")
     assert probed == []  # the constructor creates no CUDA context
     assert trainer.selection.auto_select_pending
-    trainer._probe_auto_selected_gpus()  # what fit() does first
+    for name in ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES"):  # what fit() sets is undone
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    from cardcage.train.jobs import prepare_launch
+
+    trainer.selection = prepare_launch(trainer.selection, trainer.accelerator)  # fit's first step
     assert trainer.selection.gpu_ids == [1, 3] and trainer.selection.root_gpu == 1
     assert trainer.accelerator.selection is trainer.selection
     assert os.environ["CARDCAGE_GPUS"] == "1,3"  # processes started later agree
