@@ -90,7 +90,6 @@ class DistributedAccelerator(Accelerator):
 
     def __init__(self, selection: Any):
         super().__init__(selection)
-        self.parallel: torch.nn.Module | None = None
         self.local_world_size = selection.num_processes
 
     # -- process identity -----------------------------------------------------------------

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import inspect
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +20,8 @@ import torch
 
 from cardcage.backend.launch.watchdog import Heart
 from cardcage.backend.strategy.precision import Precision
-from cardcage.backend.strategy.step_runner import CALL, runs_steps
-from cardcage.backend.strategy.strategy import Strategy, trained_module
+from cardcage.backend.strategy.step_runner import CALL, runner_in, trained_module
+from cardcage.backend.strategy.strategy import Strategy
 from cardcage.checkpoints import io as checkpoint
 from cardcage.config.model_contract import Optimization
 from cardcage.errors import MisconfigurationError
@@ -87,7 +86,7 @@ class CageProcess:
         if wrapped is model:
             self.modules[id(model)] = (trained, wrapped)
             return model
-        call = functools.partial(wrapped, CALL) if runs_steps(wrapped) else wrapped
+        call = functools.partial(wrapped, CALL) if runner_in(wrapped) is not None else wrapped
         module = CageModule(trained, call, self)
         self.held.append(module)
         self.modules[id(model)] = self.modules[id(module)] = (trained, wrapped)
@@ -198,19 +197,14 @@ class CageProcess:
             yield
             return
         strategy = self.strategy
-        previous, strategy.parallel = strategy.parallel, wrapped
-        try:
-            context = strategy.skip_gradient_sync()
-            context.__enter__()
-        finally:
-            strategy.parallel = previous
-        try:
+        with contextlib.ExitStack() as stack:
+            # skip_gradient_sync acts on strategy.parallel as it is when entered
+            previous, strategy.parallel = strategy.parallel, wrapped
+            try:
+                stack.enter_context(strategy.skip_gradient_sync())
+            finally:
+                strategy.parallel = previous
             yield
-        except BaseException:
-            if not context.__exit__(*sys.exc_info()):
-                raise
-        else:
-            context.__exit__(None, None, None)
 
     def clip_gradients(
         self,
@@ -260,15 +254,17 @@ class CageProcess:
             if isinstance(value, torch.nn.Module):
                 found = self.modules.get(id(value))
                 trained = found[0] if found is not None else value
-                _, _, opts = groups.get(id(trained), (trained, None, []))
-                groups[id(trained)] = (trained, key, opts)
             elif isinstance(value, torch.optim.Optimizer):
                 trained = self.owner(inner_optimizer(value))
-                module_key = groups.get(id(trained), (trained, None, []))[1]
-                opts = groups.get(id(trained), (trained, None, []))[2]
-                groups[id(trained)] = (trained, module_key, [*opts, key])
             else:
                 others.append(key)
+                continue
+            _, module_key, opt_keys = groups.get(id(trained), (trained, None, []))
+            if isinstance(value, torch.nn.Module):
+                module_key = key
+            else:
+                opt_keys = [*opt_keys, key]
+            groups[id(trained)] = (trained, module_key, opt_keys)
         return groups, others
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:

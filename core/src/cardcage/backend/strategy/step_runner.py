@@ -44,10 +44,21 @@ class StepRunner(torch.nn.Module):
             return step(*args, **kwargs)
 
 
-def runs_steps(module: torch.nn.Module) -> bool:
-    """Whether ``module`` runs a :class:`StepRunner` (itself, or the module it wraps), so that
-    it is called as ``module(name, *args)``."""
-    return isinstance(module, StepRunner) or isinstance(getattr(module, "module", None), StepRunner)
+def runner_in(module: torch.nn.Module) -> StepRunner | None:
+    """The :class:`StepRunner` that ``module`` is or wraps (``DataParallel(StepRunner)``,
+    ``DistributedDataParallel(StepRunner)``), called as ``module(name, *args)``; else None."""
+    inner = getattr(module, "module", None)
+    for candidate in (module, inner):
+        if isinstance(candidate, StepRunner):
+            return candidate
+    return None
+
+
+def trained_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module that a backend's ``setup_module`` result trains: the model the
+    :class:`StepRunner` in it runs, else ``module`` itself (the model, or its replacement)."""
+    runner = runner_in(module)
+    return runner.module if runner is not None else module
 
 
 def _batch_only(forward: Callable[..., Any]) -> Callable[..., Any]:

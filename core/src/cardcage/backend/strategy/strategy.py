@@ -23,7 +23,7 @@ import torch
 
 from cardcage.backend.strategy.precision import Precision
 from cardcage.backend.strategy.samplers import distributed_loader
-from cardcage.backend.strategy.step_runner import StepRunner
+from cardcage.backend.strategy.step_runner import trained_module
 from cardcage.checkpoints import io as checkpoint
 
 if TYPE_CHECKING:
@@ -323,15 +323,6 @@ class Strategy:
         (XLA's) moves them to the CPU here.
         """
         return obj
-
-
-def trained_module(module: torch.nn.Module) -> torch.nn.Module:
-    """The module that :meth:`Strategy.setup_module`'s result trains: the model a
-    :class:`StepRunner` inside it runs (``StepRunner``, ``DataParallel(StepRunner)``,
-    ``DistributedDataParallel(StepRunner)``), else ``module`` itself."""
-    inner = getattr(module, "module", None)
-    runner = inner if isinstance(inner, StepRunner) else module
-    return runner.module if isinstance(runner, StepRunner) else module
 
 
 def move_to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
