@@ -36,7 +36,8 @@ Process creation
     :class:`WorkerLauncher` (pickled trainer, results handed back; a subclass says how N
     workers start), :class:`SpawnLauncher`, :func:`run_worker`, :func:`run_started_worker`,
     :func:`leave`, :func:`fail`, :func:`pickle_job`, :func:`modules_by_value`,
-    :func:`init_timeout`, :func:`first_recorded`.
+    :func:`init_timeout`, :func:`first_recorded`; :class:`Watch` and :data:`HEARTBEAT`
+    (the stuck-rank watcher, for a launcher that waits on its workers its own way: Ray's).
 Checkpoints
     :func:`save_checkpoint_file` (atomic ``torch.save``; a failed write raises
     ``cardcage.CheckpointError``), :func:`load_checkpoint_file` (``weights_only=True``, checks
@@ -87,6 +88,7 @@ from cardcage.backend.engines import (
 )
 from cardcage.backend.launch.error_files import ERROR_FILE, first_recorded, write_error_file
 from cardcage.backend.launch.launcher import InProcessLauncher, Launcher, ScriptLauncher
+from cardcage.backend.launch.watchdog import HEARTBEAT, Watch
 from cardcage.backend.launch.workers import (
     SpawnLauncher,
     WorkerLauncher,
@@ -131,6 +133,7 @@ from cardcage.train.trainer import Trainer
 __all__ = [
     "ERROR_FILE",
     "FLAG_NAMES",
+    "HEARTBEAT",
     "INTERACTIVE_SLURM_JOB_NAMES",
     "REQUEUED_EXIT_STATUS",
     "REQUEUE_SIGNAL",
@@ -162,6 +165,7 @@ __all__ = [
     "Strategy",
     "Trainer",
     "TrainerProtocol",
+    "Watch",
     "WorkerLauncher",
     "add_trainer_flags",
     "broadcast_from_rank_zero",
