@@ -18,6 +18,9 @@ Each training process
     :class:`DistributedAccelerator` (one torch.distributed rank per process),
     :func:`broadcast_from_rank_zero` (every rank starts from rank 0's weights, for a ``wrap``
     that builds no DistributedDataParallel),
+    :class:`ShardedAccelerator` (one FSDP2-sharded rank per process: ``fsdp``'s strategy, for
+    any launcher), :func:`shard_targets` (the submodules it shards, from ``fsdp_modules``),
+    :func:`state_dict_type` (its checkpoint format, ``CARDCAGE_FSDP_STATE_DICT``),
     :class:`StepRunner`, :func:`data_parallel_step`, :func:`convert_batchnorm`,
     :func:`distributed_loader`, :func:`move_to`, :func:`cpu_threads_per_process`,
     :func:`share_cpu_threads`, :func:`gpu_memory_metrics`, :class:`Precision`,
@@ -100,6 +103,7 @@ from cardcage.backend.launch.workers import (
     run_worker,
 )
 from cardcage.backend.selection_types import Selection, SelectionContext
+from cardcage.backend.sharded import ShardedAccelerator, shard_targets, state_dict_type
 from cardcage.backend.strategy.precision import Precision
 from cardcage.backend.strategy.samplers import distributed_loader
 from cardcage.backend.strategy.step_runner import (
@@ -160,6 +164,7 @@ __all__ = [
     "ScriptLauncher",
     "Selection",
     "SelectionContext",
+    "ShardedAccelerator",
     "SpawnLauncher",
     "StepRunner",
     "Strategy",
@@ -202,7 +207,9 @@ __all__ = [
     "run_started_worker",
     "run_worker",
     "save_checkpoint_file",
+    "shard_targets",
     "share_cpu_threads",
+    "state_dict_type",
     "take_turns",
     "trainer_flags",
     "unregister_plugin",

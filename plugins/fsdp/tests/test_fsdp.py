@@ -44,11 +44,11 @@ def test_spawn_runs_as_fsdp_where_torchrun_made_the_processes() -> None:
 
 @pytest.mark.parametrize("value", ["sharded", "full", "FULL", ""])
 def test_checkpoint_format_setting(value: str) -> None:
-    assert cardcage_fsdp.state_dict_type({cardcage_fsdp.STATE_DICT: value}) in ("full", "sharded")
+    assert sdk.state_dict_type({"CARDCAGE_FSDP_STATE_DICT": value}) in ("full", "sharded")
 
 
 def test_a_bad_checkpoint_format_fails_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cardcage_fsdp.STATE_DICT, "shards")
+    monkeypatch.setenv("CARDCAGE_FSDP_STATE_DICT", "shards")
     with pytest.raises(MisconfigurationError, match=r"CARDCAGE_FSDP_STATE_DICT='shards'.*'full'"):
         cardcage_fsdp.FSDPAccelerator(
             select(env=ALONE, distributed_backend="fsdp", num_processes=2)
@@ -59,10 +59,10 @@ def test_select_refuses_a_bad_checkpoint_format_as_the_trainer_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """select (and so cardcage explain) makes the Trainer's decision: the same refusal."""
-    bad = {**ALONE, cardcage_fsdp.STATE_DICT: "shards"}
+    bad = {**ALONE, "CARDCAGE_FSDP_STATE_DICT": "shards"}
     with pytest.raises(MisconfigurationError, match=r"CARDCAGE_FSDP_STATE_DICT='shards'") as one:
         select(env=bad, distributed_backend="fsdp", num_processes=2)
-    monkeypatch.setenv(cardcage_fsdp.STATE_DICT, "shards")
+    monkeypatch.setenv("CARDCAGE_FSDP_STATE_DICT", "shards")
     with pytest.raises(MisconfigurationError) as other:
         Trainer(distributed_backend="fsdp", num_processes=2)
     assert str(one.value) == str(other.value)
@@ -86,14 +86,14 @@ class Model(torch.nn.Module):
 
 def test_by_default_each_child_with_parameters_is_sharded() -> None:
     model = Model()
-    assert cardcage_fsdp.shard_targets(model) == [model.blocks, model.head]
+    assert sdk.shard_targets(model) == [model.blocks, model.head]
 
 
 def test_fsdp_modules_names_classes_or_a_predicate_innermost_first() -> None:
     model = Model({Block})
-    assert cardcage_fsdp.shard_targets(model) == [model.blocks[1], model.blocks[0]]
+    assert sdk.shard_targets(model) == [model.blocks[1], model.blocks[0]]
     model = Model(lambda m: isinstance(m, torch.nn.Linear))
-    assert cardcage_fsdp.shard_targets(model) == [
+    assert sdk.shard_targets(model) == [
         model.head,
         model.blocks[1].inner,
         model.blocks[0].inner,
@@ -102,32 +102,7 @@ def test_fsdp_modules_names_classes_or_a_predicate_innermost_first() -> None:
 
 def test_a_bad_fsdp_modules_names_the_attribute() -> None:
     with pytest.raises(MisconfigurationError, match=r"Model.fsdp_modules=\['blocks'\]"):
-        cardcage_fsdp.shard_targets(Model(["blocks"]))
-
-
-def test_optimizer_state_by_position_and_back() -> None:
-    named = {
-        "state": {"a.weight": {"step": torch.tensor(2.0)}, "scale": {"step": torch.tensor(2.0)}},
-        "param_groups": [{"lr": 0.1, "params": ["scale"]}, {"lr": 0.2, "params": ["a.weight"]}],
-    }
-    plain = cardcage_fsdp.by_position(named)
-    assert plain["param_groups"] == [{"lr": 0.1, "params": [0]}, {"lr": 0.2, "params": [1]}]
-    assert set(plain["state"]) == {0, 1}
-    assert cardcage_fsdp.by_name(plain, ["scale", "a.weight"]) == named
-
-
-def test_redirected_runs_a_step_through_call_with_forward_restored() -> None:
-    calls: list[str] = []
-
-    class Net(torch.nn.Linear):
-        def training_step(self, x: torch.Tensor) -> torch.Tensor:
-            return self(x).sum()  # the module's own forward inside
-
-    net = Net(2, 1)
-    net.register_forward_pre_hook(lambda module, args: calls.append("hook"))
-    loss = cardcage_fsdp.redirected(net, "training_step", torch.ones(1, 2))
-    assert loss.shape == () and calls == ["hook", "hook"]  # the step's call, then self(x)
-    assert "forward" not in net.__dict__
+        sdk.shard_targets(Model(["blocks"]))
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -188,7 +163,7 @@ def test_resume_reaches_the_uninterrupted_weights(jobs: Any) -> None:
 
 def test_a_sharded_checkpoint_is_a_folder_of_shards(jobs: Any) -> None:
     shards = jobs["sharded"]["shards"]
-    assert ".metadata" in shards and cardcage_fsdp.LOOP_FILE in shards
+    assert ".metadata" in shards and "loop.pt" in shards
     assert sum(name.endswith(".distcp") for name in shards) == 2  # one per rank
 
 

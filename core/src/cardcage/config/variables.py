@@ -11,8 +11,10 @@ The parsers live here and the modules that act on a variable call them: the swit
 plugin settings (:mod:`cardcage.plugins.manager`). Two kinds of ``CARDCAGE_*`` variable are
 not here:
 
-- a plugin's own (``CARDCAGE_FSDP_STATE_DICT``, ``CARDCAGE_HOROVOD_SCALE_LR``): the plugin
-  checks it, in its backend's constructor, which the ``Trainer`` constructor calls;
+- a backend's own: ``CARDCAGE_HOROVOD_SCALE_LR``, the horovod plugin's, and
+  ``CARDCAGE_FSDP_STATE_DICT``, read by the SDK's ``ShardedAccelerator``
+  (:mod:`cardcage.backend.sharded`) for every backend built on it (``fsdp``'s and others').
+  The backend checks it, in its constructor, which the ``Trainer`` constructor calls;
 - the internal ones (:data:`INTERNAL`), which cardcage sets for the processes it starts.
 """
 
