@@ -30,6 +30,9 @@
 - cpu, gpu, dp, ddp, ddp2, spawn, horovod, tpu, fsdp (tag `backends`): one session per backend, with
   the core and that one plugin installed and no other, so a plugin can never lean on another
   one by accident; it runs plugins/<name>/tests.
+- ray (tag `backends`): plugins/ray/tests with the core, cardcage-ray and Ray (the release
+  RAY_ENGINE pins, from the wheelhouse below, downloaded into once) alone, on a two-node Ray
+  cluster the tests start on this machine.
 - horovod also installs Horovod itself: the builder that ships in cardcage-horovod
   (plugins/horovod/cardcage_horovod/build.py, `python -m cardcage_horovod.build --install` for
   a pip user) builds a wheel for the session's torch (PyTorch + Gloo, about 5 minutes on 2
@@ -335,6 +338,29 @@ try:
 except m.PackageNotFoundError:
     raise SystemExit(1)
 """
+
+
+# The Ray release the ray session tests against (cardcage-ray asks for ray>=2.9), with its
+# dependencies, from the wheelhouse: downloaded once (about 80 MB), installed from disk after.
+RAY_ENGINE = ("ray==2.60.0", "cloudpickle")
+
+
+@nox.session(tags=["backends"])
+def ray(session: nox.Session) -> None:
+    """plugins/ray/tests with the core, cardcage-ray and Ray alone, on a two-node Ray cluster
+    the tests start on this machine (and local Rays the jobs start themselves)."""
+    from_wheelhouse = ("--no-index", "--find-links", str(WHEELHOUSE), *RAY_ENGINE)
+    # Offline first; only a wheelhouse that lacks a wheel sends pip to the index.
+    session.run("python", "-m", "pip", "install", *from_wheelhouse, success_codes=[0, 1])
+    probe = "import importlib.metadata as m; print(m.version('ray'))"
+    version = session.run("python", "-c", probe, silent=True, success_codes=[0, 1])
+    if str(version or "").strip() != RAY_ENGINE[0].partition("==")[2]:
+        session.run("python", "-m", "pip", "download", "-q", "-d", str(WHEELHOUSE), *RAY_ENGINE)
+        session.install(*from_wheelhouse)
+    _install(session, "./plugins/ray", tools=(TOOLS["pytest"],))
+    session.run("python", "-c", ONLY_PLUGIN, "ray")
+    session.run("cardcage", "plugins", env={"CARDCAGE_STRICT_PLUGINS": "1"})
+    session.run("pytest", *_testpaths("plugins/ray/tests"), *session.posargs)
 
 
 BENCHMARKS = {

@@ -50,11 +50,13 @@ from cardcage.sdk import (
 
 INSTALL = 'pip install "cardcage-ray" (it brings ray), or pip install "ray>=2.9"'
 #: The variables of the caller that the actors get: cardcage's own (where step checkpoints
-#: go, the run, the restart, the timeouts, a backend's settings). Ray starts actors with the
-#: environment of its node, not the caller's.
-PASSED_PREFIXES = ("CARDCAGE_",)
-#: After the first failure, how long the others have to report theirs: a rank killed
-#: outright is the cause, however late Ray reports its death.
+#: go, the run, the restart, the timeouts, a backend's settings) and ``PL_GLOBAL_SEED``
+#: (``seed_everything()``'s). Ray starts actors with the environment of its node, not the
+#: caller's.
+PASSED_PREFIXES = ("CARDCAGE_", "PL_GLOBAL_SEED")
+#: After the first failure, how long the others have to report theirs: a rank whose actor
+#: died within it is the cause, though its peers' errors (the connection it closed) came
+#: first.
 SETTLE_S = 1.0
 #: How often the launcher looks at the ranks' progress while it waits for them.
 WATCH_S = 1.0
@@ -64,30 +66,38 @@ WATCH_S = 1.0
 
 
 def _ray() -> Any:
-    # A Ray started here listens on loopback only, as a job's private cluster should (else it
-    # takes the machine's outward address). Read when ray is first imported.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     return ray
 
 
 @contextlib.contextmanager
-def ray_for_the_job(num_cpus: int) -> Iterator[str]:
+def ray_for_the_job(backend: str, num_nodes: int, num_cpus: int) -> Iterator[None]:
     """Ray, for one ``fit``: the one this process initialized, else the cluster
-    ``RAY_ADDRESS`` names (left as it was), else a local Ray started here and stopped at the
-    end (with every process it started). Yields how it was reached, for messages."""
+    ``RAY_ADDRESS`` names (left as it was), else a local Ray of ``num_cpus`` started here and
+    stopped at the end (with every process it started)."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address and "ray" not in sys.modules:
+        # A Ray started here listens on loopback only, as a job's private cluster should
+        # (else it takes the machine's outward address); read when ray is first imported.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = _ray()
     if ray.is_initialized():
-        yield "the Ray this process initialized"
+        yield
         return
-    address = os.environ.get("RAY_ADDRESS", "").strip()
     if not address:
         os.environ.pop("RAY_ADDRESS", None)  # set but empty: Ray would read it as an address
     if address:
         ray.init(address=address, log_to_driver=True)
-        how = f"the Ray cluster at RAY_ADDRESS={address}"
     else:
+        if num_nodes > 1:
+            raise MisconfigurationError(
+                f"distributed_backend={backend!r} with num_nodes={num_nodes} needs a Ray "
+                "cluster of that many nodes, but neither RAY_ADDRESS nor an initialized ray "
+                "names one, and a local Ray has one node. Start the cluster (`ray start "
+                "--head` on one machine, `ray start --address=HEAD:6379` on the others) and "
+                "set RAY_ADDRESS, or set num_nodes=1."
+            )
         # Unix socket paths must stay under 108 characters: a deep TMPDIR (pytest's) breaks
         # Ray's sockets, so its folder falls back to /tmp.
         folder = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
@@ -100,9 +110,8 @@ def ray_for_the_job(num_cpus: int) -> Iterator[str]:
             log_to_driver=True,
             _temp_dir=os.path.join(folder, "ray"),
         )
-        how = "a local Ray started for this job"
     try:
-        yield how
+        yield
     finally:
         ray.shutdown()  # a local Ray's processes stop with it; a cluster is only left
 
@@ -225,7 +234,7 @@ class RayLauncher(WorkerLauncher):
             places = ray.get([a.handle.place.remote() for a in actors], timeout=init_timeout())
             for actor, (address, machine, pid) in zip(actors, places, strict=True):
                 actor.address, actor.machine, actor.pid = address, machine, pid
-            port = ray.get(actors[0].handle.free_port.remote())
+            port = ray.get(actors[0].handle.free_port.remote(), timeout=init_timeout())
             self._run(ray, actors, payload, folder, port, nprocs)
         finally:
             for actor in actors:
@@ -348,13 +357,15 @@ class OnRay:
 
     @classmethod
     def availability(cls, ctx: SelectionContext) -> Availability:
+        """Ray installed (looked up, not imported), torch.distributed, and what the
+        strategy itself needs (FSDP2 for ``ray_fsdp``)."""
         if importlib.util.find_spec("ray") is None:
             return Availability(False, "ray is not installed", INSTALL)
-        version = importlib.metadata.version("ray")
-        distributed = distributed_availability()
-        if not distributed:
-            return distributed
-        return Availability(True, f"Ray {version}")
+        strategy: Availability = super().availability(ctx)  # type: ignore[misc]
+        for found in (distributed_availability(), strategy):
+            if not found:
+                return found
+        return Availability(True, f"Ray {importlib.metadata.version('ray')}")
 
     @classmethod
     def resolve(cls, ctx: SelectionContext) -> Resolution:
@@ -375,7 +386,8 @@ class OnRay:
         """The job on Ray: connected (or started) once for every attempt of ``max_restarts``."""
         selection = self.selection
         world = selection.num_processes * selection.num_nodes
-        with ray_for_the_job(max(os.cpu_count() or 1, world)):
+        cpus = max(os.cpu_count() or 1, world)
+        with ray_for_the_job(selection.accelerator, selection.num_nodes, cpus):
             return super().train(trainer)  # type: ignore[misc]
 
     @property
@@ -405,11 +417,6 @@ class RayFSDPAccelerator(OnRay, ShardedAccelerator):  # type: ignore[misc]
 
     name = "ray_fsdp"
     rules = ()
-
-    @classmethod
-    def availability(cls, ctx: SelectionContext) -> Availability:
-        found = OnRay.availability.__func__(cls, ctx)  # type: ignore[attr-defined]
-        return found if not found else ShardedAccelerator.availability.__func__(cls, ctx)  # type: ignore[attr-defined]
 
 
 @hookimpl

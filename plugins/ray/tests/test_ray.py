@@ -163,6 +163,22 @@ def test_a_cluster_without_room_is_named(tmp_path: Path) -> None:
     assert "it has 2 node(s)" in output
 
 
+def test_several_nodes_need_a_cluster(tmp_path: Path) -> None:
+    """num_nodes=2 with no cluster named: refused at once, before a local Ray starts."""
+    harness = Harness(tmp_path)
+    try:
+        job = run(harness, tmp_path / "out", "ray", "plain", "nodes=2", RAY_ADDRESS="")
+        assert job.wait() != 0
+        output = job.output()
+    finally:
+        harness.cleanup()
+    assert (
+        "MisconfigurationError: distributed_backend='ray' with num_nodes=2 needs a Ray cluster"
+        in output
+    )
+    assert "Started a local Ray" not in output
+
+
 TORCHRUN_RANK1 = {
     "TORCHELASTIC_RUN_ID": "x",
     "WORLD_SIZE": "2",
@@ -176,10 +192,16 @@ TORCHRUN_RANK1 = {
 
 @pytest.mark.parametrize("backend", ["ray", "ray_fsdp"])
 def test_selected_by_name_only(backend: str) -> None:
+    """Named, it is chosen; unnamed, no rule of it claims a job (another backend, or none
+    where it is the only plugin installed, as in its nox session)."""
     assert (
         cardcage.select(distributed_backend=backend, num_processes=2, env={}).accelerator == backend
     )
-    assert cardcage.select(num_processes=2, env={}).accelerator == "ddp_spawn"
+    try:
+        chosen = cardcage.select(num_processes=2, num_nodes=2, env={}).accelerator
+    except cardcage.MisconfigurationError:
+        chosen = None
+    assert chosen not in ("ray", "ray_fsdp")
 
 
 def test_processes_of_another_launcher_are_refused() -> None:
