@@ -6,14 +6,14 @@
 - typecheck: mypy (strict, configured in pyproject.toml) over core/, extensions/submit/, every
   backend plugin's module and examples/plugin-tutorial; then over the modules of two fresh
   `cardcage new-plugin` scaffolds (one process, and --distributed).
-- core: core/tests, tests/ and extensions/submit/tests with the core, all nine backend
+- core: core/tests, tests/ and extensions/submit/tests with the core, the nine backend
   plugins and the extension cardcage-submit (`cardcage submit`, on submitit) installed.
 - docs: the documentation site (mkdocs.yml, docs/) built with `mkdocs build --strict` into
   .nox/docs/tmp/site: any warning fails it, a broken link or anchor included, and so does a
   hook of core/src/cardcage/plugins/spec.py without a docstring (the hook reference is generated
   from them). It installs the `docs` extra of pyproject.toml and pluggy, not torch.
-- build: the sdist and wheel of every distribution (the meta-distribution, core, the nine
-  plugins, cardcage-submit: twelve of each) into dist/, emptied first, each wheel built from
+- build: the sdist and wheel of every distribution (the meta-distribution, core, the ten
+  plugins, cardcage-submit: thirteen of each) into dist/, emptied first, each wheel built from
   its sdist; then `twine check --strict`, and scripts/release.py's checks: one version
   (core/src/cardcage/_version.py) and the ranges between the distributions, before the build;
   the wheels' contents (templates, py.typed, entry points, READMEs as long descriptions,

@@ -73,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,8 +293,15 @@ def command_for(variant: str, spec: dict[str, Any]) -> list[str]:
     return [sys.executable, *script]
 
 
-def measure(variant: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
-    """Run one variant as a user would; its wall time, rank 0's step time, its weights."""
+def measure(
+    variant: str,
+    spec: dict[str, Any],
+    log_dir: Path,
+    command: Callable[[str, dict[str, Any]], list[str]] | None = None,
+) -> dict[str, Any]:
+    """Run one variant as a user would; its wall time, rank 0's step time, its weights.
+    ``command`` gives a variant's command line (:func:`command_for`'s by default; another
+    benchmark adds variants of its own)."""
     out = Path(spec["out"])
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -304,7 +312,7 @@ def measure(variant: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]
     start = time.perf_counter()
     with log.open("w") as stream:
         proc = subprocess.run(
-            command_for(variant, spec),
+            (command or command_for)(variant, spec),
             stdin=subprocess.DEVNULL,
             stdout=stream,
             stderr=stream,

@@ -2,10 +2,10 @@
 
 Usage::
 
-    python benchmarks/ray.py              # 5 rounds x 4 epochs x 150 steps per variant
-    python benchmarks/ray.py --quick      # 2 rounds x 3 epochs x 40 steps: a smoke run
-    python benchmarks/ray.py --rounds 3 --json ray.json
-    python benchmarks/ray.py --health-check-interval 2   # Ray Train's own default
+    python benchmarks/ray_backends.py              # 5 rounds x 4 epochs x 150 steps per variant
+    python benchmarks/ray_backends.py --quick      # 2 rounds x 3 epochs x 40 steps: a smoke run
+    python benchmarks/ray_backends.py --rounds 3 --json ray.json
+    python benchmarks/ray_backends.py --health-check-interval 2   # Ray Train's own default
 
 The benchmark starts a two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``,
 ``num_cpus=1`` and a 100 MiB object store per node, no dashboard, every node on 127.0.0.1),
@@ -16,10 +16,10 @@ rank, a ``DistributedSampler`` without shuffling) in two CPU ranks over gloo, wi
 
 * ``torchrun``: ddp.py's plain PyTorch DDP script, launched by ``torchrun --standalone
   --nproc-per-node=2`` (no Ray);
-* ``cardcage-ray``: ``python ray.py`` calling ``cardcage.Trainer(distributed_backend="ray",
+* ``cardcage-ray``: ``python ray_backends.py`` calling ``cardcage.Trainer(distributed_backend="ray",
   num_nodes=2, logger=False, progress_bar=False).fit(model)``: one rank as a Ray actor on
   each node, rank 0's weights handed back to the script;
-* ``ray-train``: ``python ray.py`` calling Ray Train's ``TorchTrainer`` with
+* ``ray-train``: ``python ray_backends.py`` calling Ray Train's ``TorchTrainer`` with
   ``ScalingConfig(num_workers=2, use_gpu=False)``, a fresh ``RunConfig(name=...,
   storage_path=...)`` per run (a reused name resumes the old run); its loop is plain DDP
   written as Ray Train's docs show (``prepare_model``, ``prepare_data_loader``,
@@ -48,25 +48,20 @@ from __future__ import annotations
 import os
 import sys
 
-# This file is named ray.py: run as a script, its folder comes first on sys.path and would
-# stand in for the ray package. The folder goes last, still there for ddp.py's helpers.
-HERE = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0] or os.curdir) == HERE:
-    sys.path.append(sys.path.pop(0))
 # Every Ray node on 127.0.0.1 (read when ray is first imported; see the research notes).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
 
-import ddp  # noqa: E402
+import ddp
 
 VARIANTS = ("torchrun", "cardcage-ray", "ray-train")
 #: (variant, baseline) pairs of the table.
@@ -75,13 +70,12 @@ PAIRS = (
     ("ray-train", "torchrun"),
     ("cardcage-ray", "ray-train"),
 )
-_torchrun_command = ddp.command_for
 
 
 def command_for(variant: str, spec: dict[str, Any]) -> list[str]:
     """The command of a variant: ddp.py's for torchrun, this script's for the Ray ones."""
     if variant == "torchrun":
-        return _torchrun_command(variant, spec)
+        return ddp.command_for(variant, spec)
     return [
         sys.executable,
         os.path.abspath(__file__),
@@ -90,10 +84,6 @@ def command_for(variant: str, spec: dict[str, Any]) -> list[str]:
         "--spec",
         json.dumps(spec),
     ]
-
-
-# ddp.measure runs, times and checks whatever ddp.command_for gives: ours adds the Ray variants.
-ddp.command_for = command_for
 
 
 # -- the variants, each a command of its own ---------------------------------------------------
@@ -277,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                     "width": args.width,
                     "out": str(work / variant / str(index)),
                 }
-                current[variant] = ddp.measure(variant, spec, work)
+                current[variant] = ddp.measure(variant, spec, work, command_for)
                 loads.append(os.getloadavg()[0])
                 print(
                     f"  round {index + 1}/{rounds} {variant:<13} wall "
