@@ -1,4 +1,4 @@
-"""Two Ray nodes on one machine: cardcage's ray backend against Ray Train and torchrun.
+"""Two Ray nodes on one machine: cardcage's ray backend against Ray Train, plain actors, torchrun.
 
 Usage::
 
@@ -25,7 +25,12 @@ rank, a ``DistributedSampler`` without shuffling) in two CPU ranks over gloo, wi
   written as Ray Train's docs show (``prepare_model``, ``prepare_data_loader``,
   ``ray.train.report`` of the loss at each epoch's end). ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``
   (``--health-check-interval``, default 0.2 s; Ray's own default is 2 s) is how often its
-  controller polls the workers; a report waits until the previous one was read.
+  controller polls the workers; a report waits until the previous one was read;
+* ``ray-actors``: the control, ``torchrun``'s loop (ddp.py's ``plain_worker``) in two plain Ray
+  actors that ``python ray_backends.py`` starts itself (a ``STRICT_SPREAD`` placement group
+  of two ``{"CPU": 1}`` bundles, ``num_cpus=1`` each, the rendezvous variables set as
+  cardcage's launcher sets them; no cardcage): what training inside Ray's worker processes
+  costs by itself, so that ``cardcage-ray`` against it is cardcage's own part.
 
 Timings, as ddp.py takes them (its ``measure``):
 
@@ -37,10 +42,10 @@ Timings, as ddp.py takes them (its ``measure``):
 
 Each round runs every variant once, in a shuffled order (``--seed``), so that load from
 other processes falls on all of them alike. Ratios are medians over rounds of the per-round
-ratio, with the quartiles: against ``torchrun``, and ``cardcage-ray`` against ``ray-train``.
-``max|dw|`` is the largest difference of the final weights from ``torchrun``'s of the same
-round. Nothing is judged: there are no targets, and the exit status is non-zero only when a
-run fails.
+ratio, with the quartiles: against ``torchrun``, and ``cardcage-ray`` against ``ray-train``
+and ``ray-actors``. ``max|dw|`` is the largest difference of the final weights from
+``torchrun``'s of the same round. Nothing is judged: there are no targets, and the exit
+status is non-zero only when a run fails.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import argparse
 import json
 import random
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -63,12 +69,14 @@ from typing import Any
 
 import ddp
 
-VARIANTS = ("torchrun", "cardcage-ray", "ray-train")
+VARIANTS = ("torchrun", "cardcage-ray", "ray-train", "ray-actors")
 #: (variant, baseline) pairs of the table.
 PAIRS = (
     ("cardcage-ray", "torchrun"),
     ("ray-train", "torchrun"),
+    ("ray-actors", "torchrun"),
     ("cardcage-ray", "ray-train"),
+    ("cardcage-ray", "ray-actors"),
 )
 
 
@@ -118,8 +126,70 @@ def ray_train_loop(spec: dict[str, Any]) -> None:
         ddp.save_weights(spec["out"], model)
 
 
+class PlainRank:
+    """One rank of ddp.py's plain DDP loop, as a Ray actor (``ray.remote`` makes the class)."""
+
+    def node_ip(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+
+    def free_port(self) -> int:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+    def train(self, env: dict[str, str], spec: dict[str, Any]) -> None:
+        import ddp
+
+        os.environ.update(env)
+        ddp.plain_worker(int(env["RANK"]), spec)
+
+
+def ray_actors(spec: dict[str, Any]) -> None:
+    """ddp.py's plain loop in two plain Ray actors, one on each node: no cardcage, no Ray Train."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    group = placement_group([{"CPU": 1}] * ddp.WORLD, strategy="STRICT_SPREAD")
+    remote: Any = ray.remote(PlainRank)
+    actors: list[Any] = []
+    try:
+        ray.get(group.ready(), timeout=60)
+        # In the process's environment from its start: unpickling the class imports torch.
+        threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        for rank in range(ddp.WORLD):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+            actors.append(
+                remote.options(
+                    scheduling_strategy=strategy,
+                    num_cpus=1,
+                    runtime_env={"env_vars": threads},
+                ).remote()
+            )
+        address: str = ray.get(actors[0].node_ip.remote(), timeout=60)
+        port = ray.get(actors[0].free_port.remote(), timeout=60)
+        common = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(ddp.WORLD)}
+        if address.startswith("127."):
+            common["GLOO_SOCKET_IFNAME"] = "lo"  # the nodes of one machine meet on loopback
+        ray.get(
+            [
+                actor.train.remote({**common, "RANK": str(rank), "LOCAL_RANK": "0"}, spec)
+                for rank, actor in enumerate(actors)
+            ]
+        )
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(group)
+        ray.shutdown()
+
+
 def run_variant(variant: str, spec: dict[str, Any]) -> None:
-    """Body of ``ray.py --variant VARIANT``, run with ``RAY_ADDRESS`` naming the cluster."""
+    """Body of ``ray_backends.py --variant VARIANT``, run with ``RAY_ADDRESS`` naming the
+    cluster."""
     if variant == "cardcage-ray":
         import cardcage
 
@@ -147,6 +217,9 @@ def run_variant(variant: str, spec: dict[str, Any]) -> None:
             ),
         )
         trainer.fit()
+        return
+    if variant == "ray-actors":
+        ray_actors(spec)
         return
     raise SystemExit(f"unknown variant {variant!r}")
 
