@@ -15,6 +15,7 @@ import pytest
 
 import cardcage
 from cardcage.testing.harness import Harness
+from cardcage.testing.suite import ENVIRONMENTS
 
 JOB = Path(__file__).parent / "ray_job.py"
 
@@ -23,6 +24,15 @@ def run(harness: Harness, out: Path, backend: str, mode: str, *options: str, **e
     out.mkdir(parents=True)
     command = [sys.executable, str(JOB), str(out), backend, mode, *options]
     return harness.start(command, harness.env(**env), name=f"{backend} {mode}")
+
+
+def failed(harness: Harness, out: Path, backend: str, mode: str, *options: str, **env: str) -> str:
+    """Run a job that must fail: its output, once no process of it is left."""
+    job = run(harness, out, backend, mode, *options, **env)
+    assert job.wait() != 0
+    output: str = job.output()
+    harness.assert_no_leftovers()
+    return output
 
 
 def result(out: Path) -> dict[str, Any]:
@@ -99,10 +109,7 @@ def test_a_killed_actor_costs_one_restart(tmp_path: Path, backend: str) -> None:
 def test_an_actor_killed_at_every_attempt_fails_the_fit(tmp_path: Path) -> None:
     harness = Harness(tmp_path)
     try:
-        job = run(harness, tmp_path / "out", "ray", "always")
-        assert job.wait() != 0
-        output = job.output()
-        harness.assert_no_leftovers()
+        output = failed(harness, tmp_path / "out", "ray", "always")
     finally:
         harness.cleanup()
     assert "RankFailedError: rank 1 died on Ray node 1" in output
@@ -112,10 +119,7 @@ def test_an_actor_killed_at_every_attempt_fails_the_fit(tmp_path: Path) -> None:
 def test_a_failing_actor_is_named_by_rank_and_node(tmp_path: Path) -> None:
     harness = Harness(tmp_path)
     try:
-        job = run(harness, tmp_path / "out", "ray", "raise")
-        assert job.wait() != 0
-        output = job.output()
-        harness.assert_no_leftovers()
+        output = failed(harness, tmp_path / "out", "ray", "raise")
     finally:
         harness.cleanup()
     assert "RankFailedError: rank 1 raised an exception on Ray node 1" in output
@@ -127,17 +131,9 @@ def test_a_stuck_actor_is_named_with_its_stack(tmp_path: Path) -> None:
     after CARDCAGE_TIMEOUT, and every actor is stopped."""
     harness = Harness(tmp_path)
     try:
-        job = run(
-            harness,
-            tmp_path / "out",
-            "ray",
-            "stuck",
-            CARDCAGE_STUCK_WARN="2",
-            CARDCAGE_TIMEOUT="6",
+        output = failed(
+            harness, tmp_path / "out", "ray", "stuck", CARDCAGE_STUCK_WARN="2", CARDCAGE_TIMEOUT="6"
         )
-        assert job.wait() != 0
-        output = job.output()
-        harness.assert_no_leftovers()
     finally:
         harness.cleanup()
     assert "RankFailedError: rank 1 is stuck" in output
@@ -150,10 +146,9 @@ def test_a_cluster_without_room_is_named(tmp_path: Path) -> None:
     error names the flags and what the cluster has, after CARDCAGE_INIT_TIMEOUT."""
     harness = Harness(tmp_path)
     try:
-        job = run(harness, tmp_path / "out", "ray", "plain", "nodes=3", CARDCAGE_INIT_TIMEOUT="3")
-        assert job.wait() != 0
-        output = job.output()
-        harness.assert_no_leftovers()
+        output = failed(
+            harness, tmp_path / "out", "ray", "plain", "nodes=3", CARDCAGE_INIT_TIMEOUT="3"
+        )
     finally:
         harness.cleanup()
     assert (
@@ -167,9 +162,7 @@ def test_several_nodes_need_a_cluster(tmp_path: Path) -> None:
     """num_nodes=2 with no cluster named: refused at once, before a local Ray starts."""
     harness = Harness(tmp_path)
     try:
-        job = run(harness, tmp_path / "out", "ray", "plain", "nodes=2", RAY_ADDRESS="")
-        assert job.wait() != 0
-        output = job.output()
+        output = failed(harness, tmp_path / "out", "ray", "plain", "nodes=2", RAY_ADDRESS="")
     finally:
         harness.cleanup()
     assert (
@@ -179,15 +172,7 @@ def test_several_nodes_need_a_cluster(tmp_path: Path) -> None:
     assert "Started a local Ray" not in output
 
 
-TORCHRUN_RANK1 = {
-    "TORCHELASTIC_RUN_ID": "x",
-    "WORLD_SIZE": "2",
-    "RANK": "1",
-    "LOCAL_RANK": "1",
-    "LOCAL_WORLD_SIZE": "2",
-    "MASTER_ADDR": "127.0.0.1",
-    "MASTER_PORT": "29555",
-}
+TORCHRUN_RANK1 = ENVIRONMENTS["torchrun_rank1"]
 
 
 @pytest.mark.parametrize("backend", ["ray", "ray_fsdp"])
