@@ -73,7 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +291,26 @@ def command_for(variant: str, spec: dict[str, Any]) -> list[str]:
         torchrun = str(Path(sys.executable).parent / "torchrun")
         return [torchrun, "--standalone", f"--nproc-per-node={WORLD}", *script]
     return [sys.executable, *script]
+
+
+def print_notes(
+    results: list[dict[str, dict[str, Any]]], variants: Sequence[str], loads: list[float]
+) -> None:
+    """The notes under a table: the plain baselines that aborted at exit (torch's exit race,
+    after training: their figures are kept), and a load average above the CPU count."""
+    for variant in variants:
+        aborts = sum(r[variant]["aborted_at_exit"] for r in results)
+        if aborts:
+            print(
+                f"note: plain {variant} aborted at exit, after training, in {aborts} of "
+                f"{len(results)} runs (torch's exit race; its figures are kept)"
+            )
+    cpus = os.cpu_count() or 1
+    if max(loads) > cpus:
+        print(
+            f"note: the load average reached {max(loads):.1f} on {cpus} CPUs during the runs; "
+            "timings are noisy, use more rounds and read the quartiles."
+        )
 
 
 def measure(
@@ -568,19 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(results, variants)
     print()
     print(table(rows))
-    for variant in variants:
-        aborts = sum(r[variant]["aborted_at_exit"] for r in results)
-        if aborts:
-            print(
-                f"note: plain {variant} aborted at exit, after training, in {aborts} of "
-                f"{len(results)} runs (torch's exit race; its figures are kept)"
-            )
-    cpus = os.cpu_count() or 1
-    if max(loads) > cpus:
-        print(
-            f"note: the load average reached {max(loads):.1f} on {cpus} CPUs during the runs; "
-            "timings are noisy, use more rounds and read the quartiles."
-        )
+    print_notes(results, variants, loads)
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -361,18 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         f"fixed = wall - {steps} steps x step; ratios: medians of per-round ratios [quartiles]; "
         "max|dw|: final weights against torchrun's of the same round"
     )
-    aborts = sum(r["torchrun"]["aborted_at_exit"] for r in results)
-    if aborts:
-        print(
-            f"note: plain torchrun aborted at exit, after training, in {aborts} of "
-            f"{len(results)} runs (torch's exit race; its figures are kept)"
-        )
-    cpus = os.cpu_count() or 1
-    if max(loads) > cpus:
-        print(
-            f"note: the load average reached {max(loads):.1f} on {cpus} CPUs during the runs; "
-            "timings are noisy, use more rounds and read the quartiles."
-        )
+    ddp.print_notes(results, ["torchrun"], loads)
     if args.json:
         runs = [
             {v: {k: x for k, x in run.items() if k != "weights"} for v, run in r.items()}

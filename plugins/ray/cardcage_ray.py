@@ -265,9 +265,8 @@ class RayLauncher(WorkerLauncher):
         here = _machine()
         # The watcher reads a file the ranks map: possible where every rank runs on this
         # machine. Elsewhere the process group's own timeout ends a stuck job.
-        watch = Watch(folder, world) if all(a.machine == here for a in actors) else None
-        if watch is not None:
-            watch.pids.update({a.rank: a.pid for a in actors})
+        local = all(a.machine == here for a in actors)
+        watch = Watch(folder, world, {a.rank: a.pid for a in actors}) if local else None
         loopback = all(a.address.startswith("127.") for a in actors)
         job = ray.put(payload)
         futures = {}
@@ -288,10 +287,12 @@ class RayLauncher(WorkerLauncher):
                 env[HEARTBEAT] = str(folder)
             future = actor.handle.train.remote(job, env, list(sys.path), os.getcwd(), str(folder))
             futures[future] = actor
-        results = self._wait(ray, futures, watch)
+        results = self._wait(ray, futures, actors, watch)
         (folder / "results.pt").write_bytes(results)
 
-    def _wait(self, ray: Any, futures: dict[Any, Actor], watch: Watch | None) -> bytes:
+    def _wait(
+        self, ray: Any, futures: dict[Any, Actor], actors: list[Actor], watch: Watch | None
+    ) -> bytes:
         """Global rank 0's results once every rank is done; the first failure, named."""
         pending = list(futures)
         outcomes: dict[int, tuple[str, float, Any]] = {}
@@ -315,33 +316,27 @@ class RayLauncher(WorkerLauncher):
                 stuck = watch.check(now)
                 if stuck is not None:
                     rank, reason, stack = stuck
-                    raise RankFailedError(
-                        rank, None, stack, f"{reason} on {self._on(futures, rank)}"
-                    )
+                    raise RankFailedError(rank, None, stack, f"{reason} on {actors[rank].where()}")
         if failed_at is not None:
-            raise self._failure(futures, outcomes)
+            raise self._failure(actors, outcomes)
         data = outcomes[0][2]
         if data is None:
             raise RuntimeError("rank 0 finished without handing its results back")
         return bytes(data)
 
-    @staticmethod
-    def _on(futures: dict[Any, Actor], rank: int) -> str:
-        return next(a.where() for a in futures.values() if a.rank == rank)
-
     def _failure(
-        self, futures: dict[Any, Actor], outcomes: dict[int, tuple[str, float, Any]]
+        self, actors: list[Actor], outcomes: dict[int, tuple[str, float, Any]]
     ) -> RankFailedError:
         """The first failure: a rank whose actor died (killed, out of memory: never a
         consequence of another's error), else the earliest traceback."""
         died = sorted(rank for rank, outcome in outcomes.items() if outcome[0] == "died")
         if died:
             rank = died[0]
-            reason = f"died on {self._on(futures, rank)}: its actor process ended"
+            reason = f"died on {actors[rank].where()}: its actor process ended"
             return RankFailedError(rank, None, outcomes[rank][2], reason)
         failed = [(o[1], rank) for rank, o in outcomes.items() if o[0] == "failed"]
         rank = min(failed)[1]
-        reason = f"raised an exception on {self._on(futures, rank)}"
+        reason = f"raised an exception on {actors[rank].where()}"
         return RankFailedError(rank, None, outcomes[rank][2], reason)
 
 
