@@ -46,8 +46,8 @@
 - soak (not in the default run: it takes an hour or more): benchmarks/soak.py, 100
   consecutive launches of each launcher (relaunch, spawn, torchrun, srun on the private SLURM
   cluster, horovodrun with the cached Horovod wheel, xmp with the tpu session's torch-xla when
-  `nox -s tpu` has made it), half of them beside a CPU hog; `nox -s soak -- --runs 10` for
-  fewer. The default run keeps a short form (tests/distributed/test_soak.py).
+  `nox -s tpu` has made and kept it), half of them beside a CPU hog; `nox -s soak -- --runs 10`
+  for fewer. The default run keeps a short form (tests/distributed/test_soak.py).
 
 Every default session together, from a fresh clone through .ci/run, took 32 minutes on this
 quiet 2-core machine on 2026-12-01 (nine backend sessions; 54 minutes with nothing cached and
@@ -56,12 +56,15 @@ CI allows 90. The build and wheels sessions, added since, take about 3 minutes m
 (2 min 44 s measured on 2026-12-02 beside a soak run: build 18 s, wheels 2 min 24 s).
 
 Sessions use the interpreter nox runs under and reuse their virtual environments between runs
-(`--reuse-venv=no` starts afresh). torch is pinned once, in requirements-dev.txt, and the tool
-versions once, in the `dev` extra of pyproject.toml.
+(`--reuse-venv=no` starts afresh), except where a session removes its environment when it ends:
+under CI, or with less than SPARE_DISK left free (about 20 GB for every environment together, 7
+of them tpu's; a run that removes them peaks at about 12 GB). torch is pinned once, in
+requirements-dev.txt, and the tool versions once, in the `dev` extra of pyproject.toml.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -110,6 +113,42 @@ def _install(session: nox.Session, *projects: str, tools: tuple[str, ...] = ()) 
     session.install("--no-build-isolation", TORCH, *editables, *tools)
 
 
+# A full run's environments take about 20 GB (tpu's alone 7 GB). Each session gives its
+# environment back when it ends under CI (a fresh clone reuses none of them) or when fewer than
+# this many bytes are left free on the disk, so that the sessions after it still fit; a
+# later run makes it again.
+SPARE_DISK = 16 * 2**30
+
+
+def _session(*args: object, **kwargs: object) -> Callable[[Callable[[nox.Session], None]], object]:
+    """``nox.session``; the environment is removed when the session ends, passed or failed,
+    under CI or when the disk runs short (SPARE_DISK)."""
+
+    def register(function: Callable[[nox.Session], None]) -> object:
+        @functools.wraps(function)
+        def run(session: nox.Session) -> None:
+            try:
+                function(session)
+            finally:
+                _give_back_disk(session)
+
+        return nox.session(*args, **kwargs)(run)  # type: ignore[call-overload]
+
+    return register
+
+
+def _give_back_disk(session: nox.Session) -> None:
+    location = getattr(session.virtualenv, "location", None)
+    if not location or not Path(location).is_dir():
+        return
+    free = shutil.disk_usage(location).free
+    if os.environ.get("CI", "").lower() in ("", "0", "false") and free >= SPARE_DISK:
+        return
+    why = "under CI" if free >= SPARE_DISK else f"{free / 2**30:.1f} GiB left on the disk"
+    shutil.rmtree(location, ignore_errors=True)
+    session.log(f"removed its environment {location} ({why}); the next run makes it again")
+
+
 def _testpaths(*paths: str) -> tuple[str, str]:
     """pytest's option for a session's default test paths, as pytest's ``testpaths``: they are
     collected only when the arguments name no path. So ``nox -s core -- FILE`` runs FILE alone,
@@ -117,7 +156,7 @@ def _testpaths(*paths: str) -> tuple[str, str]:
     return "-o", "testpaths=" + " ".join(paths)
 
 
-@nox.session
+@_session()
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the repository; lint-imports over the core."""
     session.install(TOOLS["ruff"], TOOLS["import-linter"])
@@ -131,7 +170,7 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports", "--no-cache", "--no-logo", env={"PYTHONPATH": path})
 
 
-@nox.session
+@_session()
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over what [tool.mypy] lists (the core, extensions/submit, every backend
     plugin's module, the plugin tutorial), then over the two modules `cardcage new-plugin`
@@ -150,7 +189,7 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", *modules)
 
 
-@nox.session
+@_session()
 def core(session: nox.Session) -> None:
     """core/tests, tests/, extensions/submit/tests: the core, every backend, cardcage-submit."""
     plugins = (f"./plugins/{name}" for name in BACKENDS)
@@ -169,7 +208,7 @@ def core(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@_session()
 def docs(session: nox.Session) -> None:
     """mkdocs build --strict: the site, with the hook reference generated from
     cardcage.plugins.spec."""
@@ -196,7 +235,7 @@ def docs(session: nox.Session) -> None:
 DIST = ROOT / "dist"
 
 
-@nox.session
+@_session()
 def build(session: nox.Session) -> None:
     """sdists and wheels of every distribution into dist/, checked (scripts/release.py)."""
     session.install(*BUILD_SYSTEM["requires"], TOOLS["build"], TOOLS["twine"])
@@ -215,7 +254,7 @@ def build(session: nox.Session) -> None:
     session.run("python", "scripts/release.py", "check-dist", str(DIST))
 
 
-@nox.session(requires=["build"])
+@_session(requires=["build"])
 def wheels(session: nox.Session) -> None:
     """tests/wheels: the wheels of dist/ in clean virtual environments, as a pip user has them."""
     # The tests make their own environments; this one only runs pytest.
@@ -228,7 +267,7 @@ def wheels(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@_session()
 def slurm(session: nox.Session) -> None:
     """tests/slurm: srun, sbatch, requeue and `cardcage submit` grids on a private SLURM
     cluster the tests start."""
@@ -280,7 +319,7 @@ def _backend_session(name: str) -> None:
         session.run("pytest", *_testpaths(f"plugins/{name}/tests"), *session.posargs)
 
     session_function.__doc__ = f"plugins/{name}/tests, with the core and cardcage-{name} alone."
-    nox.session(name=name, tags=["backends"])(session_function)
+    _session(name=name, tags=["backends"])(session_function)
 
 
 for _name in BACKENDS:
@@ -301,7 +340,7 @@ WHEELHOUSE = Path(
 )
 
 
-@nox.session(tags=["backends"])
+@_session(tags=["backends"])
 def tpu(session: nox.Session) -> None:
     """plugins/tpu/tests on XLA's CPU device, with the core, cardcage-tpu and torch-xla alone.
 
@@ -345,7 +384,7 @@ except m.PackageNotFoundError:
 RAY_ENGINE = ("ray==2.60.0", "cloudpickle")
 
 
-@nox.session(tags=["backends"])
+@_session(tags=["backends"])
 def ray(session: nox.Session) -> None:
     """plugins/ray/tests with the core, cardcage-ray and Ray alone, on a two-node Ray cluster
     the tests start on this machine (and local Rays the jobs start themselves)."""
@@ -371,7 +410,7 @@ BENCHMARKS = {
 }
 
 
-@nox.session(default=False)
+@_session(default=False)
 def bench(session: nox.Session) -> None:
     """benchmarks/*.py against plain PyTorch and Lightning; ``-- NAME [ARGS]`` runs one."""
     plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn")
@@ -389,7 +428,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", f"benchmarks/{name}.py", *arguments)
 
 
-@nox.session(default=False)
+@_session(default=False)
 def soak(session: nox.Session) -> None:
     """benchmarks/soak.py: 100 launches of every launcher, quiet and beside a CPU hog."""
     plugins = ("./plugins/cpu", "./plugins/ddp", "./plugins/spawn", "./plugins/horovod")
