@@ -1,5 +1,6 @@
 """cardcage-fsdp against the conformance kit: two processes by script relaunch, two started
-by torchrun, and two spawned (``fsdp_spawn``)."""
+by torchrun, two spawned (``fsdp_spawn``), and two nodes of one spawned process each (every
+node's caller gets the full trained state, which FSDP gathers on rank 0 alone)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ class TestFSDP(BackendSuite):
         "relaunch": processes(2),
         "torchrun": Launch({"distributed_backend": "fsdp"}, world_size=2, command="torchrun"),
         "spawn": Launch({"distributed_backend": "fsdp_spawn", "num_processes": 2}, world_size=2),
+        "spawn_two_nodes": Launch(
+            {"distributed_backend": "fsdp_spawn", "num_processes": 1, "num_nodes": 2},
+            world_size=2,
+            command="nodes",
+        ),
     }
     sharded_optimizer_state = True  # each rank holds its shard of Adam's and SGD's state
     # A full checkpoint (one file) and a sharded one (a folder) are resharded for the ranks

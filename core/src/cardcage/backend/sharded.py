@@ -27,6 +27,7 @@ import torch
 
 from cardcage.backend.accelerator import Availability, distributed_availability
 from cardcage.backend.distributed import DistributedAccelerator, broadcast_from_rank_zero
+from cardcage.backend.launch.workers import WorkerLauncher
 from cardcage.backend.selection_types import Selection, SelectionContext
 from cardcage.backend.trainer_protocol import TrainerProtocol
 from cardcage.checkpoints.io import load as load_checkpoint_file
@@ -235,7 +236,29 @@ class ShardedAccelerator(DistributedAccelerator):
             optimizers.append(by_position(state) if state else state)
         # Ranks other than 0 drop what they gathered; all leave the gather together.
         self.barrier("gather_state")
-        return {"state_dict": model, "optimizers": optimizers} if self.is_global_zero else None
+        full = {"state_dict": model, "optimizers": optimizers} if self.is_global_zero else None
+        return self.hand_on(full)
+
+    def hand_on(self, state: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Rank 0's full ``state``, sent on to the other ranks that hand results back.
+
+        FSDP gathers the full state on global rank 0 alone; workers started for a fit
+        (``fsdp_spawn``) hand their results back from each node's local rank 0
+        (:attr:`hand_back_ranks`), so with ``num_nodes > 1`` rank 0 sends each of them a copy
+        (one transfer per further node, at every gather). Elsewhere it returns ``state``."""
+        receivers = [rank for rank in self.hand_back_ranks if rank != 0]
+        if not receivers or not issubclass(self.launcher, WorkerLauncher):
+            return state
+        import torch.distributed as dist
+
+        if self.is_global_zero:
+            for rank in receivers:
+                dist.send_object_list([state], dst=rank)
+        elif self.global_rank in receivers:
+            holder: list[Any] = [None]
+            dist.recv_object_list(holder, src=0)
+            state = holder[0]
+        return state
 
     def restore_state(self, trainer: TrainerProtocol, state: dict[str, Any]) -> None:
         """Each rank takes its shard of the full (or, from a folder, sharded) state."""
