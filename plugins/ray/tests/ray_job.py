@@ -48,10 +48,17 @@ class Net(cardcage.Module):
         )
         self.register_buffer("step", torch.zeros((), dtype=torch.long))  # resumes with it
         self.out, self.mode = out, mode
+        self.started = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.step += 1
         step, mode = int(self.step), self.mode
+        if not self.started and rank() == 0:
+            # The step each attempt starts at: a restart from scratch would train to the
+            # same weights, so this is what shows that it resumed from a checkpoint.
+            with Path(self.out, "starts").open("a") as starts:
+                starts.write(f"{step}\n")
+        self.started = True
         if rank() == 1 and step == 7 and mode in ("once", "always"):
             marker = Path(self.out, "killed")
             if mode == "always" or not marker.exists():

@@ -91,7 +91,8 @@ def test_a_cage_runs_one_rank_per_node(tmp_path: Path) -> None:
 @pytest.mark.parametrize("backend", ["ray", "ray_fsdp"])
 def test_a_killed_actor_costs_one_restart(tmp_path: Path, backend: str) -> None:
     """Rank 1's actor is SIGKILLed at step 7 of 8: the actors start again from the step-6
-    checkpoint and the run ends with the weights of one that was never interrupted."""
+    checkpoint (the second attempt's first step is 7) and the run ends with the weights of
+    one that was never interrupted."""
     harness = Harness(tmp_path)
     try:
         run(harness, tmp_path / "straight", backend, "straight").check()
@@ -103,6 +104,7 @@ def test_a_killed_actor_costs_one_restart(tmp_path: Path, backend: str) -> None:
         harness.cleanup()
     straight, once = result(tmp_path / "straight"), result(tmp_path / "once")
     assert (straight["restarts"], once["restarts"]) == (0, 1)
+    assert (tmp_path / "once" / "starts").read_text().split() == ["1", "7"]
     assert worst(once["weights"], straight["weights"]) == 0.0
 
 
