@@ -49,11 +49,10 @@
   `nox -s tpu` has made and kept it), half of them beside a CPU hog; `nox -s soak -- --runs 10`
   for fewer. The default run keeps a short form (tests/distributed/test_soak.py).
 
-Every default session together, from a fresh clone through .ci/run, took 32 minutes on this
-quiet 2-core machine on 2026-12-01 (nine backend sessions; 54 minutes with nothing cached and
-a callgrind benchmark beside it), with the Horovod wheel and the torch-xla wheelhouse cached;
-CI allows 90. The build and wheels sessions, added since, take about 3 minutes more together
-(2 min 44 s measured on 2026-12-02 beside a soak run: build 18 s, wheels 2 min 24 s).
+Every default session together, from a fresh clone through `CI=true .ci/run`, took 51 min 30 s
+on this quiet 2-core machine on 2026-12-06 (ten backend sessions, each environment made anew),
+with the Horovod wheel and the torch-xla and Ray wheels cached, and 52 min 15 s with nothing
+cached; the core session is 17 minutes of it. CI allows 90; a clean clone's run is kept under 60.
 
 Sessions use the interpreter nox runs under and reuse their virtual environments between runs
 (`--reuse-venv=no` starts afresh), except where a session removes its environment when it ends:
