@@ -96,6 +96,20 @@ def spinning(mode: str, rank: int) -> Any:
     )
 
 
+def spinning_short_timeout(mode: str) -> Any:
+    """Only ``CARDCAGE_TIMEOUT=15`` set: the warning defaults to half of it, so the spinning
+    rank is still named before the job fails (a 60 s default never fired)."""
+    return stuck(
+        mode,
+        1,
+        ["--spin-rank", "1", "--spin-step", "3"],
+        "spinning",
+        ["in training_step", "in _spin"],
+        {"CARDCAGE_TIMEOUT": "15"},
+        SHORT_ENDED_WITHIN_S,
+    )
+
+
 def slow_optimizers(mode: str) -> Any:
     """Rank 1 sleeps in ``configure_optimizers`` (its setup) while rank 0 trains on."""
     return stuck(
@@ -128,6 +142,7 @@ SCENARIOS = {
     "relaunch-child": spinning("relaunch", 1),
     "relaunch-launcher": spinning("relaunch", 0),
     "spawn": spinning("spawn", 1),
+    "short-timeout-spawn": spinning_short_timeout("spawn"),
     "configure-optimizers-relaunch": slow_optimizers("relaunch"),
     "configure-optimizers-spawn": slow_optimizers("spawn"),
     **{f"sigstop-setup-spawn-{i}": stopped("spawn", 0) for i in (1, 2, 3)},
@@ -138,6 +153,13 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("scenario", ["relaunch-child", "relaunch-launcher", "spawn"])
 def test_a_spinning_rank_is_named_with_its_stack_then_fails_the_job(
+    scenarios: Any, scenario: str
+) -> None:
+    scenarios.result(scenario)
+
+
+@pytest.mark.parametrize("scenario", ["short-timeout-spawn"])
+def test_a_timeout_below_the_default_warning_still_names_the_stuck_rank(
     scenarios: Any, scenario: str
 ) -> None:
     scenarios.result(scenario)

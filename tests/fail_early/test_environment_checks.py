@@ -85,6 +85,7 @@ def test_variables_the_detected_environment_does_not_read_are_not_checked(
     assert (selection.cluster, selection.global_rank, selection.local_rank) == ("slurm", 1, 1)
     # torchrun inside a SLURM allocation: torchrun's ranks count, not stale SLURM ones.
     torchrun = {"TORCHELASTIC_RUN_ID": "r", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    torchrun.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # as torchrun sets them
     stale_slurm = {"SLURM_NTASKS": "2", "SLURM_PROCID": "9", "SLURM_LOCALID": "9"}
     assert select(env={**stale_slurm, **torchrun}).global_rank == 1
 
@@ -124,12 +125,29 @@ def test_a_plugin_environments_rank_out_of_range_is_refused(
     module = types.ModuleType("cardcage_badscheduler")
     module.cardcage_cluster_environments = cardcage.hookimpl(lambda: [BadScheduler])  # type: ignore[attr-defined]
     inprocess_plugins(module, "badscheduler")
-    assert select(env={"BAD_SIZE": "2", "BAD_RANK": "1"}).global_rank == 1
+    port = {"MASTER_PORT": "29500"}
+    assert select(env={"BAD_SIZE": "2", "BAD_RANK": "1", **port}).global_rank == 1
     with pytest.raises(MisconfigurationError) as error:
-        select(env={"BAD_SIZE": "2", "BAD_RANK": "7"})
+        select(env={"BAD_SIZE": "2", "BAD_RANK": "7", **port})
     message = str(error.value)
     assert "'badscheduler'" in message and "global rank 7" in message
     assert "BAD_SIZE, BAD_RANK" in message
+
+
+def test_a_plugin_environment_without_a_port_is_refused_at_select(
+    inprocess_plugins: Any, cuda_count_0: int
+) -> None:
+    # It claims to give a rendezvous but has no MASTER_PORT for the processes it started:
+    # select and `explain` accepted it, then every rank died in training with
+    # "RuntimeError: no MASTER_PORT for the process group".
+    module = types.ModuleType("cardcage_badscheduler")
+    module.cardcage_cluster_environments = cardcage.hookimpl(lambda: [BadScheduler])  # type: ignore[attr-defined]
+    inprocess_plugins(module, "badscheduler")
+    with pytest.raises(MisconfigurationError) as error:
+        select(env={"BAD_SIZE": "2", "BAD_RANK": "1"})
+    message = str(error.value)
+    assert "started by 'badscheduler'" in message and "MASTER_PORT is not set" in message
+    assert "Export MASTER_PORT" in message
 
 
 # --- CARDCAGE_* variables ------------------------------------------------------------------
@@ -164,7 +182,38 @@ def test_a_duration_longer_than_torch_can_wait_is_refused_with_the_largest_that_
     with pytest.raises(MisconfigurationError, match=f"{name}='{value}'"):
         cardcage.Trainer(distributed_backend="ddp_spawn", num_processes=2)
     monkeypatch.setenv(name, str(variables.MAX_SECONDS))  # the bound itself is accepted
+    if name == "CARDCAGE_STUCK_WARN":  # (with a timeout at least as long: see below)
+        monkeypatch.setenv("CARDCAGE_TIMEOUT", str(variables.MAX_SECONDS))
     cardcage.Trainer(distributed_backend="ddp_spawn", num_processes=2)
+
+
+@pytest.mark.parametrize(
+    ("env", "warn"),
+    [
+        ({}, 60.0),
+        ({"CARDCAGE_TIMEOUT": "15"}, 7.5),
+        ({"CARDCAGE_TIMEOUT": "15", "CARDCAGE_STUCK_WARN": "15"}, 15.0),
+    ],
+)
+def test_the_stuck_warning_comes_before_the_job_timeout(env: dict[str, str], warn: float) -> None:
+    # With CARDCAGE_TIMEOUT=15 and the warning's 60 s default, a hung rank was never named:
+    # the process group timed out first. The default is now min(60, timeout / 2).
+    assert variables.stuck_warn(env) == warn
+
+
+def test_a_stuck_warning_longer_than_the_timeout_is_refused(
+    cuda_count_0: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {"CARDCAGE_TIMEOUT": "15", "CARDCAGE_STUCK_WARN": "60"}
+    with pytest.raises(MisconfigurationError) as error:
+        select(env=env, distributed_backend="ddp_spawn", num_processes=2)
+    message = str(error.value)
+    assert "CARDCAGE_STUCK_WARN='60' is longer than CARDCAGE_TIMEOUT=15" in message
+    assert "at most 15" in message
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MisconfigurationError, match="CARDCAGE_STUCK_WARN='60'"):
+        cardcage.Trainer(distributed_backend="ddp_spawn", num_processes=2)
 
 
 def test_every_user_facing_variable_is_checked(tmp_path: Path) -> None:

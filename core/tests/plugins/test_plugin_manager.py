@@ -267,6 +267,7 @@ def test_a_plugin_cluster_environment_supplies_the_ranks(
 ) -> None:
     inprocess_plugins(plugin_module("cardcage_fooenv", environments=lambda: [FooScheduler]), "fenv")
     env = {"FOO_JOB": "7", "FOO_SIZE": "4", "FOO_RANK": "2", "SLURM_NTASKS": "1"}
+    env["MASTER_PORT"] = "29500"  # (a cluster that started the processes must give one)
     selection = select(env=env)
     assert (selection.cluster, selection.world_size, selection.global_rank) == (
         "fooscheduler",

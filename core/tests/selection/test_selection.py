@@ -526,7 +526,7 @@ def test_torchelastic_supplies_ranks_and_rendezvous(cuda_count_0: int) -> None:
 
 
 def test_world_size_and_local_rank_alone_mean_an_env_launcher(cuda_count_0: int) -> None:
-    env = {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "RANK": "1"}
+    env = {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "RANK": "1", "MASTER_PORT": "29500"}
     selection = select(env=env)
     assert (selection.cluster, selection.accelerator) == ("torchelastic", "ddp")
     assert (selection.global_rank, selection.local_rank, selection.master_address) == (

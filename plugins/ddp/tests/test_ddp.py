@@ -11,6 +11,7 @@ from cardcage import MisconfigurationError, sdk, select
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "ddp"}
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}
+TORCHRUN.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # torchrun sets them
 
 
 def test_it_is_discovered_through_its_entry_point() -> None:

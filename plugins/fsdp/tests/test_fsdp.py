@@ -18,6 +18,7 @@ from cardcage.testing.harness import Harness
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "fsdp"}
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+TORCHRUN.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # torchrun sets them
 JOB = Path(__file__).with_name("fsdp_job.py")
 
 

@@ -11,6 +11,7 @@ from cardcage import MisconfigurationError, sdk, select
 
 ALONE = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "spawn"}
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+TORCHRUN.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # torchrun sets them
 
 
 def test_it_is_discovered_with_its_aliases() -> None:

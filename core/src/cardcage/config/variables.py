@@ -138,8 +138,21 @@ def job_timeout(env: Mapping[str, str] | None = None) -> float:
 
 def stuck_warn(env: Mapping[str, str] | None = None) -> float:
     """Seconds of waiting after which the rank that keeps the others waiting is named
-    (``CARDCAGE_STUCK_WARN``, default 60)."""
-    return seconds(STUCK_WARN, 60.0, env)
+    (``CARDCAGE_STUCK_WARN``, default 60, or half of ``CARDCAGE_TIMEOUT`` when that is
+    shorter: the watcher names a rank only once this much has passed, and the process group
+    gives up soon after ``CARDCAGE_TIMEOUT``). A value above ``CARDCAGE_TIMEOUT`` is refused
+    for the same reason."""
+    timeout = job_timeout(env)
+    warn = seconds(STUCK_WARN, min(60.0, timeout / 2), env)
+    if warn > timeout:
+        source = os.environ if env is None else env
+        raise MisconfigurationError(
+            f"environment variable {STUCK_WARN}={source.get(STUCK_WARN, '').strip()!r} is longer "
+            f"than {TIMEOUT}={timeout:g}: a stuck rank would never be named, as the process "
+            f"group gives up first. Set {STUCK_WARN} to at most {timeout:g} (or unset it: the "
+            f"default is min(60, {TIMEOUT}/2) = {min(60.0, timeout / 2):g})."
+        )
+    return warn
 
 
 def env_switch(

@@ -126,12 +126,16 @@ def select(
     )  # read (and checked) before the rendezvous, whose error would hide a bad rank
     if outside:
         _check_ranks(cluster, global_rank, local_rank, node_rank)
-    if (
-        outside
-        and chosen.needs_rendezvous
-        and not cluster.provides_rendezvous
-        and cluster.master_port() is None
-    ):
+    if outside and chosen.needs_rendezvous and cluster.master_port() is None:
+        if cluster.provides_rendezvous:
+            raise MisconfigurationError(
+                f"the processes were started by {cluster.name!r} (world size "
+                f"{cluster.world_size()}), but MASTER_PORT is not set, and {chosen.name!r} "
+                "needs it for torch.distributed to connect its ranks. Export MASTER_PORT (a "
+                "free port, the same on every process) and MASTER_ADDR (rank 0's host) to "
+                "every process, or fix the launcher (or its cluster environment's "
+                "master_port()) so that it sets them."
+            )
         raise MisconfigurationError(
             f"the processes were started by {cluster.name!r} (world size "
             f"{cluster.world_size()}), which gives no MASTER_ADDR/MASTER_PORT, and "
