@@ -337,6 +337,22 @@ def test_with_autoload_off_and_nothing_named_the_error_says_no_backend_is_loaded
     assert "installed but not loaded" in message and "Set CARDCAGE_PLUGINS=ddp" in message
 
 
+def test_several_processes_with_the_spawn_plugin_disabled_are_refused_naming_it(
+    cuda_count_0: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # num_processes=2 with cardcage-spawn disabled selected 'cpu', world size 1, silently.
+    env = {"CARDCAGE_DISABLE_PLUGINS": "spawn"}
+    with pytest.raises(MisconfigurationError) as error:
+        select(env=env, num_processes=2)
+    message = str(error.value)
+    assert "num_processes=2 asks for 2 processes" in message and "'cpu'" in message
+    assert "'spawn' (cardcage-spawn) is installed but disabled" in message
+    assert select(env=env, num_processes=1).accelerator == "cpu"
+    monkeypatch.setenv("CARDCAGE_DISABLE_PLUGINS", "spawn")
+    with pytest.raises(MisconfigurationError, match="num_processes=2 asks for 2"):
+        cardcage.Trainer(num_processes=2)
+
+
 def test_autoload_off_with_only_an_unknown_name_says_so(cuda_count_0: int) -> None:
     env = {"CARDCAGE_PLUGINS_AUTOLOAD": "0", "CARDCAGE_PLUGINS": "nonexistent"}
     with pytest.warns(UserWarning), pytest.raises(MisconfigurationError) as error:

@@ -100,6 +100,15 @@ CASES = {
     "limit_val_batches=1.5": bad(
         "limit_val_batches=1.5", "from 0.0 to 1.0", "give an int", limit_val_batches=1.5
     ),
+    # nan and inf raised a raw ValueError/OverflowError from int() while forming the message.
+    **{
+        f"{name}={value}": bad(f"{name}={value}", "from 0.0 to 1.0", "an int >= 0", **{name: value})
+        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches")
+        for value in (float("nan"), float("inf"), float("-inf"))
+    },
+    "gradient_clip_val=inf": bad(
+        "gradient_clip_val=inf", "a finite number > 0", gradient_clip_val=float("inf")
+    ),
     "gradient_clip_algorithm": bad(
         "gradient_clip_algorithm='l2'", "'norm'", "'value'", gradient_clip_algorithm="l2"
     ),

@@ -24,9 +24,18 @@ def test_it_is_discovered_through_its_entry_point() -> None:
 
 
 def test_it_claims_any_job_nobody_else_claims() -> None:
-    selection = select(env=ALONE, num_processes=4)
+    selection = select(env=ALONE)
     assert (selection.accelerator, selection.rule) == ("cpu", "cpu_fallback")
     assert (selection.num_processes, selection.world_size) == (1, 1)
+
+
+def test_several_processes_asked_of_it_alone_are_refused_naming_the_plugin() -> None:
+    # It used to claim num_processes=4 and train in one process, silently.
+    with pytest.raises(MisconfigurationError) as error:
+        select(env=ALONE, num_processes=4)
+    message = str(error.value)
+    assert "num_processes=4 asks for 4 processes" in message
+    assert "'cpu', runs 1 per node" in message and "cardcage-spawn" in message
 
 
 def test_named_it_trains_in_one_process_and_says_so() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import resource
 import tempfile
@@ -329,6 +330,11 @@ def _number_or_fraction(name: str, value: object) -> None:
             f"{name}={value!r} is not valid: give a fraction of the batches (a float from 0.0 "
             "to 1.0) or a number of batches (an int >= 0)."
         )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MisconfigurationError(
+            f"{name}={value!r} is not valid: give a fraction of the batches (a float from 0.0 "
+            "to 1.0, 1.0 for all of them) or a number of batches (an int >= 0)."
+        )
     if isinstance(value, float) and not 0.0 <= value <= 1.0:
         raise MisconfigurationError(
             f"{name}={value!r} is not valid: a float is a fraction of the batches and must be "
@@ -348,9 +354,9 @@ def _check_loop_flags(flags: Flags) -> None:
     _positive_int("min_epochs", flags.min_epochs, allow_none=True)
     _bool("deterministic", flags.deterministic)
     clip = flags.gradient_clip_val
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 <= clip < math.inf:
         raise MisconfigurationError(
-            f"gradient_clip_val={clip!r} is not valid: give a number > 0 to clip the "
+            f"gradient_clip_val={clip!r} is not valid: give a finite number > 0 to clip the "
             "gradients to, or 0 (the default) not to clip."
         )
     if flags.gradient_clip_algorithm not in ("norm", "value"):

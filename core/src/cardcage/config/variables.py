@@ -47,7 +47,7 @@ VARIABLES: dict[str, str] = {
     INIT_TIMEOUT: "seconds every rank may take to reach the rendezvous (default 300)",
     TIMEOUT: "seconds a rank may keep the others waiting before the job fails (default 1800)",
     STUCK_WARN: "seconds of waiting after which the rank that keeps the others waiting is "
-    "named, with its stack (default 60)",
+    "named, with its stack (default 60, or half of CARDCAGE_TIMEOUT when shorter)",
     GPUS: "overrides the gpus flag (its string form: '1' is GPU 1, '2,3', '-1' all); checked "
     "by select() against the GPUs this machine has (cardcage.devices.parse_gpu_ids)",
     PLUGINS: "comma-separated entry-point names of plugins to load even with autoload off; a "

@@ -144,6 +144,14 @@ def select(
             "use the launcher's own backend (horovodrun/mpirun: "
             f"`{settings.install_command('horovod')}`)."
         )
+    if (
+        requested_cls is None  # (a backend named for one process says it ignores the flag)
+        and not outside
+        and not ctx.gpu_ids
+        and tpu_cores is None
+        and per_node < checked.num_processes
+    ):
+        raise _too_few_processes(checked.num_processes, per_node, chosen.name, registry)
     world_size = cluster.world_size() if outside else checked.num_nodes * per_node
     # What the chosen backend and cluster refuse: checked here, not in the Trainer, so that
     # select and `cardcage explain` refuse exactly what Trainer(**flags) refuses.
@@ -175,6 +183,29 @@ def select(
     )
     chosen.check_selection(selection, environ)
     return selection
+
+
+def _too_few_processes(
+    asked: int, given: int, chosen: str, registry: plugins.Registry
+) -> MisconfigurationError:
+    """``num_processes`` asks for more processes than the backend the rules chose starts:
+    the backend that would start them is not installed or not loaded."""
+    spawn = "ddp_spawn"
+    if registry.canonical(spawn) is None:
+        why = settings.why_not_loaded(registry, spawn)
+        how = (
+            f"the backend that starts them, {spawn!r}, is not loaded: {why}"
+            if why
+            else f"the backend that starts them, {spawn!r}, is not installed: "
+            f"`{settings.install_command(spawn)}`"
+        )
+    else:
+        how = f"name distributed_backend={spawn!r} (or 'ddp') to start them"
+    return MisconfigurationError(
+        f"num_processes={asked} asks for {asked} processes, but the only backend that fits, "
+        f"{chosen!r}, runs {given} per node; "
+        f"{how}. Or set num_processes={given}."
+    )
 
 
 def _check_ranks(
