@@ -112,6 +112,11 @@ def tiny_tmpfs(folder: Path, options: str = "size=64k") -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
+def files_below(folder: Path) -> list[str]:
+    """Everything under ``folder``, hidden files included, as sorted relative paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
 def fill(folder: Path) -> None:
     """Write a ballast file in ``folder`` until its disk is full."""
     with contextlib.suppress(OSError), open(folder / "ballast", "wb") as stream:
@@ -823,7 +828,9 @@ def test_a_full_disk_during_step_checkpoints_fails_naming_last_ckpt(tmp_path: Pa
         )
         assert trainer.global_step == 2  # at the first step checkpoint
         assert (disk / "last.ckpt").read_bytes() == before
-        assert sorted(p.name for p in disk.iterdir()) == ["last.ckpt"]
+        assert sorted(p.name for p in disk.iterdir()) == ["last.ckpt", "logs"]
+        # each fit claimed its logger's version folder when it started; nothing else is left
+        assert files_below(disk / "logs") == ["version_0", "version_1"]
 
 
 def test_sdk_save_checkpoint_file_on_a_full_disk(tmp_path: Path) -> None:
