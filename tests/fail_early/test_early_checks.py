@@ -42,6 +42,7 @@ import cardcage
 from cardcage import sdk
 from cardcage.checkpoints import io as checkpoint
 from cardcage.checkpoints import validation
+from cardcage.loggers import CSVLogger, TensorBoardLogger
 from cardcage.testing import harness as kit_harness
 from cardcage.train import requeue
 
@@ -110,6 +111,11 @@ def tiny_tmpfs(folder: Path, options: str = "size=64k") -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def files_below(folder: Path) -> list[str]:
+    """Everything under ``folder``, hidden files included, as sorted relative paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
 
 
 def fill(folder: Path) -> None:
@@ -823,7 +829,9 @@ def test_a_full_disk_during_step_checkpoints_fails_naming_last_ckpt(tmp_path: Pa
         )
         assert trainer.global_step == 2  # at the first step checkpoint
         assert (disk / "last.ckpt").read_bytes() == before
-        assert sorted(p.name for p in disk.iterdir()) == ["last.ckpt"]
+        assert sorted(p.name for p in disk.iterdir()) == ["last.ckpt", "logs"]
+        # each fit claimed its logger's version folder when it started; nothing else is left
+        assert files_below(disk / "logs") == ["version_0", "version_1"]
 
 
 def test_sdk_save_checkpoint_file_on_a_full_disk(tmp_path: Path) -> None:
@@ -842,6 +850,58 @@ def test_a_read_only_disk_is_named(tmp_path: Path) -> None:
             checkpoint.save_atomic({"w": torch.zeros(10)}, disk / "c.ckpt")
         assert_write_error(raised.value, disk / "c.ckpt", errno.EROFS, "read-only file system")
         assert "mounted read-only" in str(raised.value)
+
+
+# -- logger files -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-mount", "a-folder-to-make"])
+def test_a_logger_on_a_read_only_disk_is_refused_when_made(tmp_path: Path, below: bool) -> None:
+    """Refused naming the logger, the flag and the folder when the logger is built, before
+    any fit (before: accepted, then a raw OSError once training had started)."""
+    with tiny_tmpfs(tmp_path / "ro", "size=64k,ro") as disk:
+        target = disk / "runs" if below else disk
+        for cls in (CSVLogger, TensorBoardLogger):
+            with pytest.raises(cardcage.MisconfigurationError) as raised:
+                cls(save_dir=target)
+            message = str(raised.value)
+            assert f"{cls.__name__}(save_dir={str(target)!r}) is not writable" in message
+            assert f"read-only file system (errno {errno.EROFS})" in message
+
+
+def test_a_full_disk_under_metrics_csv_names_the_file_and_leaves_no_tmp(tmp_path: Path) -> None:
+    """A new column (the file written again) and an appended row on a full disk: an
+    OSError naming metrics.csv and the fix, the file as it was, no temporary file left
+    (before: a raw '[Errno 28] No space left on device' without a path, and a .tmp)."""
+    with tiny_tmpfs(tmp_path / "disk") as disk:
+        logger = CSVLogger(disk)
+        wide = {f"metric_{i:04d}": 0.123456789 for i in range(600)}  # a row of about 8 KB
+        logger.log_metrics(wide, step=0)
+        path = Path(logger.log_dir) / "metrics.csv"
+        written = path.read_bytes()
+        fill(disk)
+        for metrics, step in (({**wide, "new": 1.0}, 1), (wide, 2)):
+            with pytest.raises(OSError) as raised:
+                logger.log_metrics(metrics, step=step)
+            assert raised.value.errno == errno.ENOSPC
+            assert f"could not write {path}: no space left on device" in str(raised.value)
+            assert "Fix: free space on that disk" in str(raised.value)
+            assert path.read_bytes() == written
+            assert files_below(Path(logger.log_dir)) == ["metrics.csv"]  # no .tmp left
+            logger.experiment.metrics.pop()  # the row that was not written
+            logger.experiment.columns[:] = ["step", *wide]
+
+
+def test_a_full_disk_under_hparams_yaml_names_the_file(tmp_path: Path) -> None:
+    with tiny_tmpfs(tmp_path / "disk") as disk:
+        logger = CSVLogger(disk)
+        logger.log_metrics({"x": 1.0}, step=0)
+        folder = Path(logger.log_dir)
+        fill(disk)
+        with pytest.raises(OSError) as raised:
+            logger.log_hyperparams({"notes": "x" * 20_000})
+        assert f"could not write {folder / 'hparams.yaml'}: no space left" in str(raised.value)
+        assert files_below(folder) == ["metrics.csv"]  # no .tmp left
 
 
 def test_a_path_that_is_not_a_file_is_not_replaced(tmp_path: Path) -> None:

@@ -100,6 +100,7 @@ def main(argv: list[str]) -> int:
     record = {
         "global_step": trainer.global_step,
         "dirpath": caller.dirpath,
+        "best_model_path": caller.best_model_path,
         "checkpoint": plain(caller.on_save_checkpoint(trainer, None)),
     }
     (out / "caller.json").write_text(json.dumps(record))

@@ -8,6 +8,7 @@ The two-process tests run ``callbacks_job.py`` (next to this file) under ``ddp_s
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,9 @@ def test_the_best_k_stay_on_disk_with_last(tmp_path: Path) -> None:
     best = torch.load(check.best_model_path, weights_only=True)
     assert (best["global_step"], best["epoch"]) == (4 * BATCHES, 4)  # epoch 3's end
     state = best["callbacks"][check.state_key]
-    assert state["best_model_path"] == check.best_model_path
+    # the state names its files relative to its folder (a run that loads it places them)
+    assert state["dirpath"] == str(folder)
+    assert os.path.join(folder, state["best_model_path"]) == check.best_model_path
     last = torch.load(check.last_model_path, weights_only=True)
     assert last["global_step"] == best["global_step"] + BATCHES
 
@@ -216,7 +219,8 @@ def test_ranks_that_disagree_stop_together_and_save_as_rank_0_decides(tmp_path: 
     folder = Path(caller["dirpath"])
     assert sorted(p.name for p in folder.iterdir()) == ["epoch=2.ckpt", "epoch=3.ckpt"]
     assert rank0["checkpoint"] == rank1["checkpoint"]
-    assert caller["checkpoint"]["best_model_path"] == str(folder / "epoch=3.ckpt")
+    assert caller["checkpoint"]["best_model_path"] == "epoch=3.ckpt"  # relative to dirpath
+    assert caller["best_model_path"] == str(folder / "epoch=3.ckpt")
     assert caller["checkpoint"]["best_model_score"] == 2.0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from cardcage.callbacks.base import Callback, missing_metric, validation_is_between
+from cardcage.config import owners
 from cardcage.errors import MisconfigurationError
 
 MODES = ("min", "max")
@@ -61,8 +62,16 @@ class ModelCheckpoint(Callback):
         save_top_k: int = 1,
         save_last: bool = False,
         every_n_epochs: int = 1,
+        save_weights_only: bool = False,
     ):
         _check_arguments(dirpath, filename, monitor, mode, save_top_k, save_last, every_n_epochs)
+        if save_weights_only is not False:
+            raise MisconfigurationError(
+                f"ModelCheckpoint(save_weights_only={save_weights_only!r}) is not supported: a"
+                " checkpoint holds the whole training state, so that fit can resume from it."
+                " Fix: leave save_weights_only out; the weights alone are the file's"
+                " 'state_dict' (torch.load(best_model_path, weights_only=True)['state_dict'])."
+            )
         self._given_dirpath = os.path.realpath(dirpath) if dirpath is not None else None
         self.dirpath: str | None = self._given_dirpath
         self.filename = filename
@@ -79,6 +88,12 @@ class ModelCheckpoint(Callback):
         self.last_model_path = ""
         self._last_global_step_saved: int | None = None
         self._warned_missing: set[str] = set()
+        self._trainer: Any = None  # the Trainer this callback was given to (on_init_start)
+        self._resumed: dict[str, Any] | None = None  # a loaded state not yet placed
+        self._claims: list[str] = []  # rank 0: the names claimed for the saves planned
+
+    def on_init_start(self, trainer: Any) -> None:
+        self._trainer = trainer  # where a loaded state is placed (this run's folder)
 
     # -- the hook -------------------------------------------------------------------------
 
@@ -92,15 +107,19 @@ class ModelCheckpoint(Callback):
         """
         if not self._due(trainer):
             return
-        plan = self._plan(trainer) if trainer.is_global_zero else None
-        plan = trainer.accelerator.broadcast(plan, 0)
-        assert isinstance(plan, dict), "the accelerator's broadcast returned no plan"
-        if plan["error"] is not None:
-            raise MisconfigurationError(plan["error"])
-        self._apply(plan["state"])
-        self._last_global_step_saved = int(trainer.global_step)
-        for path in plan["save"]:
-            trainer.save_checkpoint(path)
+        try:
+            plan = self._plan(trainer) if trainer.is_global_zero else None
+            plan = trainer.accelerator.broadcast(plan, 0)
+            assert isinstance(plan, dict), "the accelerator's broadcast returned no plan"
+            if plan["error"] is not None:
+                raise MisconfigurationError(plan["error"])
+            self._apply(plan["state"])
+            self._last_global_step_saved = int(trainer.global_step)
+            for path in plan["save"]:
+                trainer.save_checkpoint(path)
+        finally:
+            while self._claims:  # the files are written (or failed): the names are theirs
+                _remove(self._claims.pop())
         if trainer.is_global_zero:
             for path in plan["delete"]:
                 _remove(path)
@@ -122,6 +141,8 @@ class ModelCheckpoint(Callback):
     def _plan(self, trainer: Any) -> dict[str, Any]:
         """What to save and delete, and the bookkeeping after it; or the error to raise."""
         dirpath = self.dirpath or default_dirpath(trainer)
+        if self._resumed is not None:
+            self._place(dirpath)
         metrics = trainer.callback_metrics
         epoch, step = int(trainer.current_epoch), int(trainer.global_step)
         # Plain values only: the plan crosses processes by every backend's broadcast.
@@ -202,14 +223,48 @@ class ModelCheckpoint(Callback):
         metrics: Mapping[str, Any],
         taken: Mapping[str, Any],
     ) -> str:
-        """The checkpoint's path: the formatted name, versioned when a file or a kept
-        checkpoint already has it (a file from an earlier run is never overwritten)."""
+        """The checkpoint's path: the formatted name, versioned when a file, a kept
+        checkpoint or another writer's claim already has it (a file from an earlier run is
+        never overwritten, nor one that a run beside this one is writing)."""
         path = self.format_checkpoint_name(epoch, step, metrics, dirpath=dirpath)
         version = 0
-        while os.path.exists(path) or path in taken:
+        while path in taken or not self._claim(path):
             path = self.format_checkpoint_name(epoch, step, metrics, version, dirpath=dirpath)
             version += 1
         return path
+
+    def _claim(self, path: str) -> bool:
+        """Claim the name ``path`` until its file is written: ``O_EXCL`` creation of a
+        marker beside it (``.<name>.claim``, holding its writer), which one process only
+        can make. False when the file exists or another live writer holds the name. A
+        marker whose writer has ended is taken over; one that cannot be made (a read-only
+        or full disk) claims nothing, and the save names the failure."""
+        marker = claim_marker(path)
+        for _ in range(2):
+            if os.path.lexists(path):
+                return False
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                handle = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
+            except FileExistsError:
+                if not _abandoned(marker):
+                    return False
+                _remove(marker)
+                continue
+            except OSError:
+                return True
+            try:
+                os.write(handle, owners.owner().encode())
+            except OSError:
+                pass  # an empty marker still holds the name
+            finally:
+                os.close(handle)
+            self._claims.append(marker)
+            if os.path.lexists(path):  # written between the check and the claim
+                _remove(self._claims.pop())
+                return False
+            return True
+        return False
 
     def format_checkpoint_name(
         self,
@@ -282,13 +337,32 @@ class ModelCheckpoint(Callback):
         self.last_model_path = state["last_model_path"]
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
-        return self._state()
+        """The bookkeeping, each path relative to ``dirpath`` (only files inside it): a
+        run that loads the state places the names in its own folder."""
+        state = self._state()
+        dirpath = state["dirpath"]
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            state[key] = _inside(state[key], dirpath) or ""
+        best_k = {_inside(path, dirpath): score for path, score in self.best_k_models.items()}
+        state["best_k_models"] = {name: score for name, score in best_k.items() if name}
+        return state
 
     def on_load_checkpoint(self, state: dict[str, Any]) -> None:
-        """Continue the saved run's bookkeeping: its top k compete with this run's saves
-        (and the worst of them is deleted when a better one comes), unless this callback
-        ranks another metric or saves to another folder than the one saved."""
+        """Continue the saved run's bookkeeping, in this run's own folder: its top k
+        compete with this run's saves (and the worst of them is deleted when a better one
+        comes) when this callback ranks the same metric. Only the names of files inside the
+        saved ``dirpath`` are kept, relative to it, and placed in this run's folder (its
+        ``dirpath``, or the default one of the Trainer it belongs to): a name whose file is
+        not there is dropped. The state never decides where files go, and never names a
+        file outside this run's folder (a copied run folder continues its copy)."""
         saved_dirpath = state.get("dirpath")
+        saved = saved_dirpath if isinstance(saved_dirpath, str) else None
+
+        def name(key: str) -> str:
+            value = state.get(key)
+            return (_inside(value, saved) or "") if isinstance(value, str) else ""
+
+        last = name("last_model_path")
         if state.get("monitor") != self.monitor:
             warnings.warn(
                 f"ModelCheckpoint(monitor={self.monitor!r}) resumes a run that monitored"
@@ -296,38 +370,107 @@ class ModelCheckpoint(Callback):
                 " metric, so the top k start afresh.",
                 stacklevel=2,
             )
-            self.last_model_path = state.get("last_model_path", "")
+            self._resumed = {"saved": saved, "best_k": {}, "best": "", "score": None}
+            self._resumed["last"] = last
+        else:
+            models = state.get("best_k_models")
+            best_k = {
+                relative: float(score)
+                for path, score in (models.items() if isinstance(models, Mapping) else ())
+                if isinstance(path, str) and (relative := _inside(path, saved))
+            }
+            score = state.get("best_model_score")
+            self._resumed = {
+                "saved": saved,
+                "best_k": best_k,
+                "best": name("best_model_path"),
+                "score": None if score is None else float(score),
+                "last": last,
+            }
+        dirpath = self.dirpath
+        if dirpath is None and self._trainer is not None:
+            dirpath = default_dirpath(self._trainer, make=False)
+        if dirpath is not None:
+            self._place(dirpath)  # else: at the first save, when this run's folder is known
+
+    def _place(self, dirpath: str) -> None:
+        """Adopt the loaded state's names, in ``dirpath``, for the files that are there."""
+        resumed, self._resumed = self._resumed, None
+        if resumed is None:
             return
-        if self._given_dirpath is not None and saved_dirpath not in (None, self._given_dirpath):
+
+        def here(relative: str) -> str:
+            path = os.path.join(dirpath, relative) if relative else ""
+            return path if path and os.path.lexists(path) else ""
+
+        best_k = {here(name): score for name, score in resumed["best_k"].items()}
+        best_k.pop("", None)
+        named = set(resumed["best_k"]) | {resumed["best"], resumed["last"]}
+        found = {here(name) for name in named if name} - {""}
+        if len(found) < len(named - {""}):
             warnings.warn(
-                f"ModelCheckpoint(dirpath={self._given_dirpath!r}) resumes a run that saved to"
-                f" {saved_dirpath!r}: best_model_path and best_model_score come back, but the"
-                " top k start afresh in the new folder (the old files are left alone).",
-                stacklevel=2,
+                f"ModelCheckpoint resumes a run that saved to {resumed['saved']!r}: of the"
+                f" checkpoints it names, those not in this run's folder {dirpath!r} are"
+                " dropped from its bookkeeping (never deleted), and the top k go on with"
+                f" {len(best_k)} of its {len(resumed['best_k'])}.",
+                stacklevel=3,
             )
-            self.best_model_path = state.get("best_model_path", "")
-            self.best_model_score = state.get("best_model_score")
-            return
-        if saved_dirpath is not None:
-            self.dirpath = saved_dirpath
-        self.best_model_path = state.get("best_model_path", "")
-        self.best_model_score = state.get("best_model_score")
-        self.best_k_models = dict(state.get("best_k_models", {}))
-        self.kth_best_model_path = state.get("kth_best_model_path", "")
-        self.last_model_path = state.get("last_model_path", "")
+        self.dirpath = dirpath  # this run's folder (the one it saves to) in any case
+        self.best_k_models = {path: _tensor(score) for path, score in best_k.items()}
+        self.best_model_path = here(resumed["best"])
+        score = resumed["score"]
+        self.best_model_score = (
+            None if score is None or not self.best_model_path else _tensor(score)
+        )
+        self.kth_best_model_path = self._worst(best_k) if best_k else ""
+        self.last_model_path = here(resumed["last"])
 
 
 def _tensor(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64)
 
 
-def default_dirpath(trainer: Any) -> str:
+def default_dirpath(trainer: Any, make: bool = True) -> str:
     """``<logger.log_dir>/checkpoints``, else ``<default_root_dir>/checkpoints``, else
-    ``<cwd>/checkpoints``, as an absolute path."""
+    ``<cwd>/checkpoints``, as an absolute path; ``make``: the logger's folder is made (its
+    version claimed) first."""
     logger = trainer.logger
-    log_dir = getattr(logger, "log_dir", None) if logger is not None else None
+    maker = getattr(logger, "make_log_dir", None) if make else None
+    log_dir = maker() if callable(maker) else getattr(logger, "log_dir", None)
     base = log_dir or trainer.default_root_dir or os.getcwd()
     return os.path.realpath(os.path.join(os.fspath(base), "checkpoints"))
+
+
+def _inside(path: str, dirpath: str | None) -> str | None:
+    """``path`` relative to ``dirpath`` when it names a file inside it (a relative ``path``
+    is taken as relative to it already); None for anything else (``..`` and absolute
+    paths left after normalising)."""
+    if not path:
+        return None
+    if os.path.isabs(path):
+        if dirpath is None:
+            return None
+        path = os.path.relpath(os.path.normpath(path), os.path.normpath(dirpath))
+    path = os.path.normpath(path)
+    if path in (".", "") or os.path.isabs(path) or path.split(os.sep)[0] == "..":
+        return None
+    return path
+
+
+def claim_marker(path: str) -> str:
+    """The file that claims the checkpoint name ``path`` while it is written."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.claim")
+
+
+def _abandoned(marker: str) -> bool:
+    """Whether the writer a claim marker names has ended (a killed writer's claim)."""
+    try:
+        with open(marker, encoding="ascii", errors="replace") as file:
+            found = re.fullmatch(owners.OWNER, file.read(200).strip())
+    except OSError:
+        return False
+    return found is not None and owners.ended(int(found["pid"]), found["start"], found["host"])
 
 
 def _remove(path: str) -> None:
@@ -355,6 +498,8 @@ def _check_arguments(
         raise refuse(
             "filename", filename, "leave out '.ckpt': it is added (give the name's template)."
         )
+    if filename is not None:
+        _check_template(filename, refuse)
     if monitor is not None and not isinstance(monitor, str):
         raise refuse("monitor", monitor, "give the name of a logged metric, or None.")
     if mode not in MODES:
@@ -389,3 +534,28 @@ def _check_arguments(
             every_n_epochs,
             "give an int >= 1: save at the end of every n-th training epoch.",
         )
+
+
+def _check_template(filename: str, refuse: Any) -> None:
+    """A template that stays inside ``dirpath`` and whose format specs take a number."""
+    parts = filename.replace("\\", "/").split("/")
+    if os.path.isabs(filename) or ".." in parts:
+        raise refuse(
+            "filename",
+            filename,
+            "the name would be written outside dirpath. Give a name inside it (subfolders"
+            " such as 'best/{epoch}' are fine), and the folder itself as dirpath=.",
+        )
+    for match in FIELD.finditer(filename):
+        name, spec = match[1], match[2] or ""
+        sample: int | float = 0 if name in ("epoch", "step") else 0.0
+        try:
+            format(sample, spec)
+        except (ValueError, TypeError) as error:
+            kind, example = ("an int", "03d") if isinstance(sample, int) else ("a float", ".2f")
+            raise refuse(
+                "filename",
+                filename,
+                f"the field {match[0]!r} has a format spec that {kind} does not take"
+                f" ({error}). Give a number's spec such as '{{{name}:{example}}}', or none.",
+            ) from None

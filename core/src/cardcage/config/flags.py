@@ -166,8 +166,19 @@ def _path(name: str, value: object) -> str | None:
     return os.fspath(value)  # type: ignore[return-value]
 
 
-def _writable_folder(name: str, value: object) -> str | None:
+WRITABLE_FIX = "Give a folder you can write to (it is made when missing), or None to write no file."
+
+
+def writable_folder(
+    name: str,
+    value: object,
+    close: str = "",
+    fix: str = WRITABLE_FIX,
+) -> str | None:
     """A path that is a folder this process can write in, or can make and then write in.
+
+    ``name``, ``close`` and ``fix`` make the message: ``<name>=<value><close> is not
+    writable ... <fix>`` (``"CSVLogger(save_dir", close=")"`` for an argument).
 
     Checked by creating nothing: the nearest folder that exists (the path itself, or the
     parent that ``mkdir -p`` would start from) must take an unnamed temporary file
@@ -177,7 +188,6 @@ def _writable_folder(name: str, value: object) -> str | None:
     path = _path(name, value)
     if path is None:
         return None
-    fix = "Give a folder you can write to (it is made when missing), or None to write no file."
     absolute = os.path.abspath(path)
     existing = absolute
     while not os.path.lexists(existing):
@@ -189,7 +199,7 @@ def _writable_folder(name: str, value: object) -> str | None:
             what = "it is a file, not a folder"
         else:
             what = f"{existing!r} is a file, so no folder can be made below it"
-        raise MisconfigurationError(f"{name}={path!r} is not valid: {what}. {fix}")
+        raise MisconfigurationError(f"{name}={path!r}{close} is not valid: {what}. {fix}")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
@@ -198,7 +208,7 @@ def _writable_folder(name: str, value: object) -> str | None:
         code = f" (errno {error.errno})" if error.errno else ""
         where = "" if existing == absolute else f" (in {existing!r}, where it would be made)"
         raise MisconfigurationError(
-            f"{name}={path!r} is not writable{where}: no file can be created there: "
+            f"{name}={path!r}{close} is not writable{where}: no file can be created there: "
             f"{reason[:1].lower()}{reason[1:]}{code}. {fix}"
         ) from None
     return path
@@ -312,7 +322,7 @@ def validate_flags(**kwargs: Any) -> Flags:
             **flags.as_dict(),
             "distributed_backend": backend.strip().lower() if backend else None,
             "precision": normalize_precision(flags.precision),
-            "default_root_dir": _writable_folder("default_root_dir", flags.default_root_dir),
+            "default_root_dir": writable_folder("default_root_dir", flags.default_root_dir),
             "resume_from_checkpoint": resume,
             # A tuple of ids reads like a list; any other tuple stays as given, so that the
             # error from device parsing shows the value the user wrote.

@@ -16,6 +16,9 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
+from cardcage.config.files import write_error
+from cardcage.config.flags import writable_folder
+
 
 def metric_value(value: Any) -> Any:
     """A logged value as a plain number: a tensor or NumPy scalar as its ``item()``."""
@@ -71,6 +74,12 @@ class Logger(abc.ABC):
         logger's methods do not cover; ``None`` when there is none."""
         return None
 
+    def make_log_dir(self) -> str | None:
+        """Make the folder of this run's files (claiming its version) and return it; the
+        Trainer calls it when ``fit`` starts, in the process that is or starts global rank
+        0. The default makes nothing and returns :attr:`log_dir`."""
+        return self.log_dir
+
     @abc.abstractmethod
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Record the run's hyperparameters (the model's ``hparams``)."""
@@ -121,6 +130,10 @@ class LoggerCollection(Logger):
     def experiment(self) -> list[Any]:
         return [logger.experiment for logger in self._loggers]
 
+    def make_log_dir(self) -> None:
+        for logger in self._loggers:
+            logger.make_log_dir()
+
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         for logger in self._loggers:
             logger.log_hyperparams(params)
@@ -160,9 +173,12 @@ class FolderLogger(Logger):
     """A logger writing files into ``<save_dir>/<name>/version_<n>`` (a ``version`` string is
     the folder's name as it is; a ``name`` of ``""`` or ``None`` drops that level).
 
-    ``version=None`` takes the next free ``version_<n>`` when the version is first needed
+    ``version=None`` picks the next free ``version_<n>`` when the version is first needed
     (the first write, or reading :attr:`version` or :attr:`log_dir`), by reading the folder;
-    nothing is created before the first write.
+    nothing is created before the first write. The first write (:meth:`make_log_dir`) claims
+    the version by creating its folder: a run that finds it made by another (two runs
+    started at once into one ``save_dir``) takes the next free one. A ``save_dir`` where no
+    folder can be made is refused when the logger is built.
     """
 
     def __init__(
@@ -174,6 +190,40 @@ class FolderLogger(Logger):
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
         self._version = version
+        self._claims_version = version is None  # a version picked, not given: claimed
+        self._made = False  # whether this run's folder was made (its version claimed)
+        writable_folder(
+            f"{type(self).__name__}(save_dir",
+            self._save_dir,
+            close=")",
+            fix="Give a folder you can write to (it is made when missing).",
+        )
+
+    def make_log_dir(self) -> str:
+        """This run's folder, made if it is not yet (what a writer calls before it writes).
+
+        A picked version is claimed by ``mkdir`` of its folder, which only one process can
+        do: when the folder exists already, the next free version is taken (a given version
+        is used as it is, made or not). Raises an ``OSError`` naming the folder when it
+        cannot be made."""
+        if not self._made:
+            try:
+                if self._claims_version:
+                    os.makedirs(self.root_dir, exist_ok=True)
+                    version = int(self.version)
+                    while True:
+                        try:
+                            os.mkdir(os.path.join(self.root_dir, f"version_{version}"))
+                            break
+                        except FileExistsError:
+                            version = max(version + 1, next_version(self.root_dir))
+                    self._version = version
+                else:
+                    os.makedirs(self.log_dir, exist_ok=True)
+            except OSError as error:
+                raise write_error(self.log_dir, error) from error
+            self._made = True
+        return self.log_dir
 
     @property
     def save_dir(self) -> str:

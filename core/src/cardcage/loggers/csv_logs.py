@@ -11,6 +11,7 @@ buffer waits for :meth:`CSVLogger.save`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import os
@@ -18,6 +19,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from cardcage.config.files import write_all, write_atomically, write_error
 from cardcage.loggers.base import FolderLogger, metric_value
 from cardcage.loggers.hparams import write_hparams
 
@@ -34,12 +36,15 @@ class ExperimentWriter:
 
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
-        self.metrics_file_path = os.path.join(log_dir, METRICS_FILE)
         self.metrics: list[dict[str, Any]] = []
         self.hparams: dict[str, Any] = {}
         self.columns: list[str] = ["step"]
         self._written_columns: list[str] = []  # the header of the file on disk
         self._last_row_at = 0  # where the file's last row starts, in bytes
+
+    @property
+    def metrics_file_path(self) -> str:
+        return os.path.join(self.log_dir, METRICS_FILE)
 
     def log_hparams(self, params: Mapping[str, Any] | argparse.Namespace) -> None:
         """Add ``params`` to the hyperparameters and rewrite ``hparams.yaml``."""
@@ -79,22 +84,30 @@ class ExperimentWriter:
             )
         os.makedirs(self.log_dir, exist_ok=True)
         head = self._line(self.metrics[:-1], header=True)
-        temporary = f"{self.metrics_file_path}.{os.getpid()}.tmp"
-        with open(temporary, "wb") as file:
-            file.write(head + self._line(self.metrics[-1:]))
-        os.replace(temporary, self.metrics_file_path)
+        write_atomically(self.metrics_file_path, head + self._line(self.metrics[-1:]))
         self._written_columns = list(self.columns)
         self._last_row_at = len(head)
 
     def _write_last_row(self, replace: bool) -> None:
         line = self._line(self.metrics[-1:])
-        with open(self.metrics_file_path, "r+b") as file:
-            if replace:
-                file.seek(self._last_row_at)
-                file.truncate()
-            else:
-                self._last_row_at = file.seek(0, os.SEEK_END)
-            file.write(line)
+        path = self.metrics_file_path
+        try:
+            handle = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as error:
+            raise write_error(path, error) from error
+        try:
+            at = self._last_row_at if replace else os.lseek(handle, 0, os.SEEK_END)
+            try:
+                os.ftruncate(handle, at)
+                write_all(handle, line, at)
+            except OSError as error:
+                # a full disk: the row written in part is cut off, the rows before it stay
+                with contextlib.suppress(OSError):
+                    os.ftruncate(handle, at)
+                raise write_error(path, error) from error
+            self._last_row_at = at
+        finally:
+            os.close(handle)
 
 
 class CSVLogger(FolderLogger):
@@ -139,8 +152,15 @@ class CSVLogger(FolderLogger):
         """The hyperparameters logged so far."""
         return self.experiment.hparams
 
+    def _writer(self) -> ExperimentWriter:
+        """The writer, into this run's folder, made (its version claimed) first."""
+        log_dir = self.make_log_dir()
+        experiment = self.experiment
+        experiment.log_dir = log_dir  # the version claimed may be another than the one read
+        return experiment
+
     def log_hyperparams(self, params: Mapping[str, Any] | argparse.Namespace) -> None:
-        self.experiment.log_hparams(params)
+        self._writer().log_hparams(params)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        self.experiment.log_metrics(metrics, step)
+        self._writer().log_metrics(metrics, step)

@@ -4,9 +4,12 @@ Hyperparameters are plain data (numbers, strings, booleans, ``None``, lists and 
 them), so the core writes that subset of YAML itself rather than depend on PyYAML: block
 mappings and sequences, ``null``/``true``/``false``, numbers as Python prints them (``.nan``,
 ``.inf``), strings plain when YAML reads them back as the same string and double-quoted
-(JSON's escapes, which YAML shares) otherwise. A tuple or set is written as a list, an
-``argparse.Namespace`` as its mapping, an array or tensor as its ``tolist()``; any other value
-as its ``str()``. ``yaml.safe_load`` reads the file back as the values given.
+otherwise (JSON's escapes, which YAML shares, and ``\\uXXXX`` for what YAML does not take as
+it is: DEL, the C1 controls, lone surrogates). Keys are written as strings: two keys that
+would be written alike (``1`` and ``"1"``), or a value that holds itself, are refused by
+name. A tuple or set is written as a list, an ``argparse.Namespace`` as its mapping, an
+array or tensor as its ``tolist()``; any other value as its ``str()``. ``yaml.safe_load``
+reads the file back as the values given.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from cardcage.config.files import write_atomically, write_error
+from cardcage.errors import MisconfigurationError
+
 HPARAMS_FILE = "hparams.yaml"
 
 # A string YAML reads back as itself when written plain: starts with a letter or underscore,
@@ -29,20 +35,57 @@ _RESERVED = {
 }  # fmt: skip
 
 
-def plain_data(value: Any) -> Any:
-    """``value`` as plain data: mappings, lists, and scalars YAML writes as they are."""
+def plain_data(value: Any, where: str = "", inside: frozenset[int] = frozenset()) -> Any:
+    """``value`` as plain data: mappings, lists, and scalars YAML writes as they are.
+
+    Keys become strings: two keys of one mapping that become the same string (``1`` and
+    ``"1"``), or a mapping or list that holds itself, raise
+    :class:`~cardcage.MisconfigurationError` naming the key (``where`` is the path so far)."""
     if isinstance(value, argparse.Namespace):
         value = vars(value)
+    if isinstance(value, Mapping | list | tuple | set | frozenset):
+        if id(value) in inside:
+            raise MisconfigurationError(
+                f"hparams: {where or 'the hyperparameters'!r} holds itself (a recursive"
+                f" {type(value).__name__}), which no file can hold. Fix: log a copy without"
+                " the cycle, or leave that entry out of the hyperparameters."
+            )
+        inside = inside | {id(value)}
     if isinstance(value, Mapping):
-        return {str(key): plain_data(item) for key, item in value.items()}
+        plain: dict[str, Any] = {}
+        given: dict[str, Any] = {}
+        for key, item in value.items():
+            name = str(key)
+            if name in given:
+                place = f" in {where!r}" if where else ""
+                raise MisconfigurationError(
+                    f"hparams: the keys {given[name]!r} and {key!r}{place} are both written as"
+                    f" {name!r} (keys are written as strings), so one would be lost. Fix:"
+                    " rename one of them."
+                )
+            given[name] = key
+            plain[name] = plain_data(item, f"{where}.{name}" if where else name, inside)
+        return plain
     if isinstance(value, list | tuple | set | frozenset):
         items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
-        return [plain_data(item) for item in items]
+        return [plain_data(item, f"{where}[{i}]", inside) for i, item in enumerate(items)]
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if callable(getattr(value, "tolist", None)):  # numpy arrays and scalars, tensors
-        return plain_data(value.tolist())
+        return plain_data(value.tolist(), where, inside)
     return str(value)
+
+
+# What YAML does not take as it is inside a double-quoted string, and JSON leaves alone:
+# DEL and the C1 controls (NEL is a line break to YAML), the line and paragraph separators,
+# surrogates (a lone one cannot be encoded), the byte-order mark and the non-characters.
+_UNPRINTABLE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
+
+
+def _quoted(text: str) -> str:
+    """``text`` double-quoted, escaped so that YAML reads it back as ``text``."""
+    quoted = json.dumps(text, ensure_ascii=False)
+    return _UNPRINTABLE.sub(lambda found: f"\\u{ord(found[0]):04x}", quoted)
 
 
 def _scalar(value: Any) -> str:
@@ -63,7 +106,7 @@ def _scalar(value: Any) -> str:
     text = str(value)
     if _PLAIN.fullmatch(text) and text.lower() not in _RESERVED:
         return text
-    return json.dumps(text, ensure_ascii=False)
+    return _quoted(text)
 
 
 def _lines(value: Any, indent: str) -> list[str]:
@@ -107,10 +150,11 @@ def to_yaml(params: Mapping[str, Any]) -> str:
 def write_hparams(folder: str, params: Mapping[str, Any]) -> str:
     """Write ``params`` to ``<folder>/hparams.yaml`` (creating the folder), replacing the
     file whole; return its path."""
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, HPARAMS_FILE)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as file:
-        file.write(to_yaml(params))
-    os.replace(temporary, path)
+    text = to_yaml(params)  # refused before anything is written
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise write_error(path, error) from error
+    write_atomically(path, text.encode("utf-8"))
     return path

@@ -89,7 +89,7 @@ class TensorBoardLogger(FolderLogger):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=self.log_dir, **self._kwargs)
+            self._writer = SummaryWriter(log_dir=self.make_log_dir(), **self._kwargs)
         return self._writer
 
     @property

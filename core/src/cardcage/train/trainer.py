@@ -288,8 +288,12 @@ class Trainer:
         self.val_dataloaders = _loaders(val_dataloaders)
         self.should_stop = False
         if self.logger is not None:
-            # a version picked here, before any rank starts, is the one every copy holds
-            _ = self.logger.version
+            # A version picked here, before any rank starts, is the one every copy holds; the
+            # process that is (or starts) global rank 0 claims it by making its folder.
+            if self.selection.global_rank == 0:
+                self.logger.make_log_dir()
+            else:
+                _ = self.logger.version
         with as_found(self):  # the process as it was, after a fit that returns or fails
             # before any process, port or CUDA context
             self._checked = resuming.check(self, self.accelerator, model)
