@@ -202,7 +202,7 @@ def test_setup_wrappers_also_run_for_validate(register: Callable[[object, str], 
     register(observer, "observer")
     trainer = cardcage.Trainer(progress_bar=False)
     metrics = trainer.validate(Model(observer.events), loader())
-    assert set(metrics) == {"val_loss"}
+    assert [set(d) for d in metrics] == [{"val_loss"}]
     assert observer.events == [("setup:before", "cpu", 0), ("setup:after", True)]
 
 

@@ -362,19 +362,32 @@ def test_validate_and_test_return_mean_metrics() -> None:
     model.train()
 
     val = trainer.validate(dataloaders=data)
-    assert val == {"val_loss": pytest.approx(sum(losses) / len(losses), rel=1e-6)}
+    per = len(losses) // 2  # each loader's batches
+    assert val == [
+        {"val_loss/dataloader_idx_0": pytest.approx(sum(losses[:per]) / per, rel=1e-6)},
+        {"val_loss/dataloader_idx_1": pytest.approx(sum(losses[per:]) / per, rel=1e-6)},
+    ]
     test = trainer.test(model, data)
-    assert test.keys() == {"test_loss", "test_acc"}
-    assert test["test_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
-    assert test["test_acc"] == pytest.approx(sum(accs) / len(accs), rel=1e-6)
-    assert trainer.logged_metrics["test_acc"] == test["test_acc"]
+    assert [set(d) for d in test] == [
+        {"test_loss/dataloader_idx_0", "test_acc/dataloader_idx_0"},
+        {"test_loss/dataloader_idx_1", "test_acc/dataloader_idx_1"},
+    ]
+    # the means over both loaders: what the logger got, and what test() returned before
+    assert trainer.logged_metrics["test_loss"] == pytest.approx(sum(losses) / len(losses))
+    assert trainer.logged_metrics["test_acc"] == pytest.approx(sum(accs) / len(accs), rel=1e-6)
+    with pytest.warns(DeprecationWarning, match=r"list of dicts, one per dataloader"):
+        assert test["test_acc"] == trainer.logged_metrics["test_acc"]
+    with pytest.warns(DeprecationWarning):
+        assert test.keys() == {"test_loss", "test_acc"}
+    with pytest.warns(DeprecationWarning):
+        assert val == {"val_loss": pytest.approx(sum(losses) / len(losses), rel=1e-6)}
     assert model.training  # evaluation put the model back
 
 
 def test_validate_without_fit_and_its_errors() -> None:
     trainer = cardcage.Trainer(progress_bar=False)
     model = seeded(Evaluated)
-    assert set(trainer.validate(model, loader())) == {"val_loss"}
+    assert [set(d) for d in trainer.validate(model, loader())] == [{"val_loss"}]
     with pytest.raises(MisconfigurationError, match="no dataloader"):
         trainer.validate(model)
     with pytest.raises(MisconfigurationError, match="test_step"):

@@ -58,8 +58,8 @@ def test_validation_and_test_means_are_weighted_by_batch_size() -> None:
     trainer.fit(Counting(), DataLoader(TensorDataset(torch.zeros(4)), batch_size=2), uneven())
     assert trainer.logged_metrics["val_positive"] == pytest.approx(0.36, abs=1e-12)
     assert trainer.logged_metrics["val_loss"] == pytest.approx(0.72, abs=1e-12)
-    assert trainer.validate(dataloaders=uneven())["val_positive"] == pytest.approx(0.36)
-    assert trainer.test(dataloaders=uneven()) == {"test_loss": pytest.approx(0.36)}
+    assert trainer.validate(dataloaders=uneven())[0]["val_positive"] == pytest.approx(0.36)
+    assert trainer.test(dataloaders=uneven()) == [{"test_loss": pytest.approx(0.36)}]
 
 
 SCRIPT = """
@@ -126,7 +126,7 @@ def test_before_any_fit_the_caller_evaluates_alone(backend: str) -> None:
     caller evaluates every sample itself (no process group, no process started), instead of
     failing on a process group it cannot join."""
     trainer = cardcage.Trainer(distributed_backend=backend, num_processes=2, progress_bar=False)
-    metrics = trainer.validate(Counting(), uneven())
+    metrics = trainer.validate(Counting(), uneven())[0]
     assert metrics["val_positive"] == pytest.approx(0.36, abs=1e-12)
-    assert trainer.test(Counting(), uneven())["test_loss"] == pytest.approx(0.36, abs=1e-12)
+    assert trainer.test(Counting(), uneven())[0]["test_loss"] == pytest.approx(0.36, abs=1e-12)
     assert not torch.distributed.is_initialized()

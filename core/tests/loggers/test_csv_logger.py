@@ -41,21 +41,24 @@ def test_a_new_metric_rewrites_the_header_and_a_step_logged_again_merges_its_row
     # validation at the step of the last row: merged into it, no second row for step 2
     logger.log_metrics({"val_loss": torch.tensor(0.75)}, step=2)
     assert path.read_text() == "step,loss,acc,val_loss\n0,0.5,,\n1,0.25,,\n2,0.125,1,0.75\n"
-    logger.log_metrics({"acc": 0}, step=2)  # merged, the header unchanged: the row rewritten
+    logger.log_metrics({"val_loss": 0.5}, step=2)  # would overwrite: a row of its own
+    assert path.read_text().endswith("2,0.125,1,0.75\n2,,,0.5\n")
+    logger.log_metrics({"acc": 0}, step=2)  # merged into that row: the row rewritten
     logger.log_metrics({"loss": 0.1}, step=3)  # appended under the same header
     assert path.read_text() == (
-        "step,loss,acc,val_loss\n0,0.5,,\n1,0.25,,\n2,0.125,0,0.75\n3,0.1,,\n"
+        "step,loss,acc,val_loss\n0,0.5,,\n1,0.25,,\n2,0.125,1,0.75\n2,,0,0.5\n3,0.1,,\n"
     )
     assert logger.metrics == [
         {"step": 0, "loss": 0.5},
         {"step": 1, "loss": 0.25},
-        {"step": 2, "loss": 0.125, "acc": 0, "val_loss": 0.75},
+        {"step": 2, "loss": 0.125, "acc": 1, "val_loss": 0.75},
+        {"step": 2, "val_loss": 0.5, "acc": 0},
         {"step": 3, "loss": 0.1},
     ]
     assert logger.experiment.metrics is logger.metrics
     with path.open(newline="") as file:
         rows = list(csv.DictReader(file))
-    assert [float(row["loss"]) for row in rows] == [0.5, 0.25, 0.125, 0.1]
+    assert [row["loss"] for row in rows] == ["0.5", "0.25", "0.125", "", "0.1"]
 
 
 def test_floats_are_written_as_python_prints_them(tmp_path: Path) -> None:

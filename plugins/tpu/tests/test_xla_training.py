@@ -168,7 +168,7 @@ def test_validation_and_test_run_on_the_device() -> None:
     metrics = trainer.validate(model, loader)
     x, y = dataset().tensors
     expected = torch.nn.functional.mse_loss(model.cpu()(x), y).item()
-    assert metrics["val_loss"] == pytest.approx(expected, abs=1e-5)
+    assert metrics[0]["val_loss"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_cardcage_plugins_shows_it_available() -> None:

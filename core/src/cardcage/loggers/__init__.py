@@ -10,7 +10,7 @@ its first write.
 
 from __future__ import annotations
 
-from cardcage.loggers.base import Logger, LoggerCollection
+from cardcage.loggers.base import DummyLogger, Logger, LoggerCollection
 from cardcage.loggers.csv_logs import CSVLogger
 from cardcage.loggers.flag import LoggerRegistry, check, resolve
 from cardcage.loggers.tensorboard import TensorBoardLogger
@@ -22,6 +22,7 @@ BUILTIN_LOGGERS: tuple[type[Logger], ...] = (CSVLogger, TensorBoardLogger)
 __all__ = [
     "BUILTIN_LOGGERS",
     "CSVLogger",
+    "DummyLogger",
     "Logger",
     "LoggerCollection",
     "LoggerRegistry",

@@ -94,8 +94,19 @@ class Logger(abc.ABC):
 
     def finalize(self, status: str) -> None:
         """The run ended (``status``: ``"success"``, ``"failed"`` or ``"interrupted"``); save
-        and release what the logger holds. Called once at the end of ``fit``."""
+        and release what the logger holds. Called once at the end of ``fit``, on rank 0."""
         self.save()
+
+    def run_state(self) -> dict[str, Any] | None:
+        """What another copy of this logger needs to go on with the run this one wrote, as
+        plain data (numbers, strings, lists, dicts), or ``None``: workers that trained hand
+        it back to the process that called ``fit`` (``ddp_spawn``), whose ``test()`` then
+        adds to the fit's files instead of starting them again. The default hands nothing."""
+        return None
+
+    def continue_run(self, state: dict[str, Any]) -> None:
+        """Go on with the run another copy wrote (what its :meth:`run_state` returned)."""
+        return None  # a default, not a method left to implement
 
 
 class LoggerCollection(Logger):
@@ -149,6 +160,30 @@ class LoggerCollection(Logger):
     def finalize(self, status: str) -> None:
         for logger in self._loggers:
             logger.finalize(status)
+
+    def run_state(self) -> dict[str, Any] | None:
+        return {"loggers": [logger.run_state() for logger in self._loggers]}
+
+    def continue_run(self, state: dict[str, Any]) -> None:
+        for logger, own in zip(self._loggers, state.get("loggers", []), strict=False):
+            if own is not None:
+                logger.continue_run(own)
+
+
+def plain(value: Any) -> bool:
+    """Whether ``value`` is plain data: what ``torch.load(weights_only=True)`` reads back."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if isinstance(value, list | tuple):
+        return all(plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str | int) and plain(v) for k, v in value.items())
+    return False
+
+
+def plain_attributes(obj: Any) -> dict[str, Any]:
+    """``obj``'s attributes whose values are plain data."""
+    return {name: value for name, value in vars(obj).items() if plain(value)}
 
 
 _VERSION_FOLDER = re.compile(r"version_(\d+)")
@@ -229,6 +264,14 @@ class FolderLogger(Logger):
     def save_dir(self) -> str:
         return self._save_dir
 
+    def run_state(self) -> dict[str, Any] | None:
+        """The attributes that are plain data (the version picked, and claimed): the
+        caller's copy goes on in the same folder."""
+        return plain_attributes(self)
+
+    def continue_run(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     @property
     def name(self) -> str:
         return self._name
@@ -249,3 +292,77 @@ class FolderLogger(Logger):
         version = self.version
         folder = version if isinstance(version, str) else f"version_{version}"
         return os.path.join(self.root_dir, folder)
+
+
+class _DummyExperiment:
+    """What :attr:`DummyLogger.experiment` is: any method called on it does nothing."""
+
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return self._nothing
+
+    def __getitem__(self, index: Any) -> _DummyExperiment:
+        return self
+
+
+class DummyLogger(Logger):
+    """What ``trainer.logger`` is on every rank but global rank 0 (Lightning's
+    ``DummyLogger``): the run's :attr:`name`, :attr:`version` and folders as rank 0's logger
+    has them (a callback reading ``trainer.logger.log_dir`` finds the same folder on every
+    rank), while every write, and every call on :attr:`experiment` (``add_image``, ...), does
+    nothing: only rank 0 writes the run's files."""
+
+    def __init__(self, logger: Logger):
+        self.logger = logger  # rank 0's logger, as this rank got it: never written to
+
+    @property
+    def name(self) -> str | None:
+        return self.logger.name
+
+    @property
+    def version(self) -> int | str | None:
+        return self.logger.version
+
+    @property
+    def save_dir(self) -> str | None:
+        return self.logger.save_dir
+
+    @property
+    def log_dir(self) -> str | None:
+        return self.logger.log_dir
+
+    @property
+    def experiment(self) -> Any:
+        return _DummyExperiment()
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        return None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        return None
+
+    def finalize(self, status: str) -> None:
+        return None
+
+    def __getitem__(self, index: int) -> DummyLogger:
+        inner = self.logger
+        return DummyLogger(inner[index]) if isinstance(inner, LoggerCollection) else self
+
+    def __iter__(self) -> Iterator[Logger]:
+        inner = self.logger
+        loggers = list(inner) if isinstance(inner, LoggerCollection) else [inner]
+        return iter([DummyLogger(logger) for logger in loggers])
+
+    def __len__(self) -> int:
+        inner = self.logger
+        return len(inner) if isinstance(inner, LoggerCollection) else 1
+
+
+def for_rank(logger: Logger | None, global_rank: int) -> Logger | None:
+    """The logger a process of ``global_rank`` holds: ``logger`` on rank 0, a
+    :class:`DummyLogger` in its place on the others."""
+    if logger is None or global_rank == 0 or isinstance(logger, DummyLogger):
+        return logger
+    return DummyLogger(logger)

@@ -4,8 +4,9 @@ The file has one row per step, a ``step`` column first, then the metrics in the 
 were first logged; a cell is empty where a metric was not logged at that step. A new metric
 rewrites the file with the wider header (as Lightning 1.0's ``ExperimentWriter`` rewrote it);
 otherwise a row is appended, and metrics logged again at the step of the last row (validation
-at the end of an epoch) are merged into that row. The file is current after every call: no
-buffer waits for :meth:`CSVLogger.save`.
+at the end of an epoch) are merged into that row unless they would overwrite one of its
+values (a test after fit at the last step, whose epoch is the next: a row of its own). The
+file is current after every call: no buffer waits for :meth:`CSVLogger.save`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cardcage.config.files import write_all, write_atomically, write_error
-from cardcage.loggers.base import FolderLogger, metric_value
+from cardcage.loggers.base import FolderLogger, metric_value, plain_attributes
 from cardcage.loggers.hparams import write_hparams
 
 METRICS_FILE = "metrics.csv"
@@ -55,7 +56,7 @@ class ExperimentWriter:
         """Add the row of ``step`` (or merge into the last row, when it has that step) and
         bring the file up to date."""
         values = {str(key): metric_value(value) for key, value in metrics.items()}
-        merged = bool(self.metrics) and self.metrics[-1]["step"] == step
+        merged = bool(self.metrics) and _joins(self.metrics[-1], step, values)
         if merged:
             self.metrics[-1].update(values)
         else:
@@ -110,6 +111,17 @@ class ExperimentWriter:
             os.close(handle)
 
 
+def _joins(row: Mapping[str, Any], step: int, values: Mapping[str, Any]) -> bool:
+    """Whether ``values`` at ``step`` merge into ``row``: the same step, and nothing in
+    ``row`` they would overwrite (the epoch they share aside). A test after fit, or a
+    second validation at the same step, is a row of its own."""
+    if row["step"] != step:
+        return False
+    return all(
+        key not in row or (key == "epoch" and row[key] == value) for key, value in values.items()
+    )
+
+
 class CSVLogger(FolderLogger):
     """Metrics to ``<save_dir>/<name>/version_<n>/metrics.csv`` and hyperparameters to
     ``hparams.yaml`` beside it (Lightning 1.0's ``CSVLogger``, with ``name="logs"``).
@@ -158,6 +170,19 @@ class CSVLogger(FolderLogger):
         experiment = self.experiment
         experiment.log_dir = log_dir  # the version claimed may be another than the one read
         return experiment
+
+    def run_state(self) -> dict[str, Any] | None:
+        state = plain_attributes(self)
+        if self._experiment is not None:  # the rows, and where the file's last row starts
+            state["writer"] = plain_attributes(self._experiment)
+        return state
+
+    def continue_run(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        writer = state.pop("writer", None)
+        super().continue_run(state)
+        if writer is not None:
+            self.experiment.__dict__.update(writer)
 
     def log_hyperparams(self, params: Mapping[str, Any] | argparse.Namespace) -> None:
         self._writer().log_hparams(params)

@@ -4,8 +4,10 @@
 ``logger`` takes Lightning 1.0's values, and a name:
 
 - ``True``: a :class:`~cardcage.loggers.CSVLogger` writing under ``default_root_dir``
-  (``<default_root_dir>/logs/version_<n>``); with ``default_root_dir=None``, no logger, and
-  nothing is written.
+  (``<default_root_dir>/logs/version_<n>``); with ``default_root_dir=None``, under ``here``
+  (the Trainer passes the current folder when ``logger=True`` was passed explicitly, as
+  Lightning writes ``./lightning_logs``), else no logger: a Trainer built without a
+  ``logger`` argument and without ``default_root_dir`` writes nothing.
 - ``False`` or ``None``: no logger.
 - a :class:`~cardcage.loggers.Logger`: that logger.
 - a name (``"csv"``, ``"tensorboard"``, or one a plugin registers through the
@@ -124,8 +126,10 @@ def resolve(
     logger: object,
     default_root_dir: str | os.PathLike[str] | None,
     registry: LoggerRegistry,
+    here: str | os.PathLike[str] | None = None,
 ) -> Logger | None:
-    """The logger the ``logger`` flag asks for, or ``None`` for no logger (see the module).
+    """The logger the ``logger`` flag asks for, or ``None`` for no logger (see the module);
+    ``here``: where ``True`` writes when ``default_root_dir`` is None.
 
     Builds the loggers it names, which write nothing until their first write.
 
@@ -136,7 +140,8 @@ def resolve(
     if logger is None or logger is False:
         return None
     if logger is True:
-        return None if default_root_dir is None else CSVLogger(default_root_dir, name="logs")
+        folder = default_root_dir if default_root_dir is not None else here
+        return None if folder is None else CSVLogger(folder, name="logs")
     if isinstance(logger, Logger):
         return logger
     if isinstance(logger, str):

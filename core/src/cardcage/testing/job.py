@@ -88,8 +88,8 @@ def sgd(job: Job) -> dict[str, Any]:
         "class": type(model).__name__,
         "plain_tensors": all(type(p.data) is torch.Tensor for p in model.parameters()),
         "global_step": trainer.global_step,
-        "validate": trainer.validate(model, job.val())["val_loss"],
-        "test": trainer.test(model, job.val())["test_loss"],
+        "validate": trainer.validate(model, job.val())[0]["val_loss"],
+        "test": trainer.test(model, job.val())[0]["test_loss"],
     }
     _fit(job, model, job.train(), max_epochs=2)  # a new Trainer continues the same model
     result["second_fit"] = flat(model)

@@ -772,7 +772,24 @@ def evaluate(
     sanity: float | None = None,
 ) -> dict[str, float]:
     """Run ``step_name`` over ``loaders`` without gradients, with its hooks; return the mean
-    metrics (what the step returned, and what it logged).
+    metrics over every loader (what the step returned, and what it logged). See
+    :func:`evaluate_loaders`."""
+    return evaluate_loaders(trainer, accelerator, loaders, step_name, prefix, beat, sanity)[0]
+
+
+def evaluate_loaders(
+    trainer: Trainer,
+    accelerator: Strategy,
+    loaders: Iterable[Any],
+    step_name: str,
+    prefix: str,
+    beat: Callable[[], None] = _still,
+    sanity: float | None = None,
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Run ``step_name`` over ``loaders`` without gradients, with its hooks; return the mean
+    metrics over every loader (what the logger and ``callback_metrics`` get) and each
+    loader's own (Lightning 1.0's results: with several loaders a step's names end in
+    ``/dataloader_idx_<i>``; what the epoch-end hooks logged or returned is in each).
 
     Runs under ``fork_rng`` so that evaluating changes no random state training uses.
     Each loader runs the batches ``limit_val_batches`` / ``limit_test_batches`` allow, and at
@@ -782,7 +799,7 @@ def evaluate(
     hooks = trainer.hooks
     store = trainer.metrics
     stage, on = _STAGES.get(step_name, (step_name.removesuffix("_step"), "on_" + prefix))
-    step = accelerator.step_function(model, step_name)
+    step = trainer.evaluation_step_function(accelerator, step_name)
     step_end = getattr(model, f"{stage}_step_end", None)
     if not callable(step_end) or getattr(step, "calls_step_end", False):
         step_end = None
@@ -797,8 +814,10 @@ def evaluate(
     limit_flag = f"limit_{'val' if prefix == 'val' else prefix}_batches"
     wanted = (1 if fast is True else fast) if fast else getattr(flags, limit_flag, 1.0)
     loaders = list(loaders)
+    several = len(loaders) > 1
     takes_loader_index = _positional_count(getattr(model, step_name, None)) >= 3
-    sizes: list[tuple[dict[str, torch.Tensor], int]] = []
+    sizes: list[list[tuple[dict[str, torch.Tensor], int]]] = [[] for _ in loaders]
+    logged: list[dict[str, Any]] = []  # each loader's self.log values, held apart
     outputs: list[list[Any]] = [[] for _ in loaders]
     was_training = model.training
     hooks(f"{on}_start")
@@ -810,7 +829,7 @@ def evaluate(
             most = batch_limit(wanted, _length(loader), limit_flag)
             if sanity is not None:
                 most = min(most, sanity)
-            extra = (index,) if len(loaders) > 1 and takes_loader_index else ()
+            extra = (index,) if several and takes_loader_index else ()
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= most:
                     break
@@ -832,7 +851,8 @@ def evaluate(
                     batch_end(output, batch, batch_idx, index)
                 if callable(epoch_end):
                     outputs[index].append(output)
-                sizes.append((metrics_of(output, prefix), size))
+                sizes[index].append((metrics_of(output, prefix), size))
+            logged.append(store.take_epoch())
         store.batch = None
         store.place = EVAL_EPOCH
         returned = None
@@ -840,26 +860,45 @@ def evaluate(
             returned = epoch_end(outputs[0] if len(loaders) == 1 else outputs)
     model.train(was_training)
     # A mean weighted by batch size, over every rank: each rank's sums of value x size and
-    # of sizes, added up in one collective, then divided.
-    sums = weighted_sums(sizes)
-    keys = sorted(sums)
+    # of sizes, added up in one collective, then divided (over every loader, and with
+    # several loaders over each loader too).
+    blocks = [weighted_sums(item for part in sizes for item in part)]
+    if several:
+        blocks += [weighted_sums(part) for part in sizes]
+    layout = [(b, key) for b, block in enumerate(blocks) for key in sorted(block)]
     exact = torch.float64 if accelerator.device.type in ("cpu", "cuda") else torch.float32
     local = torch.tensor(
-        [part for key in keys for part in sums[key]], dtype=exact, device=accelerator.device
+        [part for b, key in layout for part in blocks[b][key]],
+        dtype=exact,
+        device=accelerator.device,
     )
-    total = accelerator.reduce(local, op="sum").cpu().tolist() if keys else []
-    reduced = {
-        key: total[2 * i] / total[2 * i + 1] if total[2 * i + 1] else math.nan
-        for i, key in enumerate(keys)
-    }
+    total = accelerator.reduce(local, op="sum").cpu().tolist() if layout else []
+    means: list[dict[str, float]] = [{} for _ in blocks]
+    for i, (b, key) in enumerate(layout):
+        means[b][key] = total[2 * i] / total[2 * i + 1] if total[2 * i + 1] else math.nan
+    reduced = means[0]
+    epoch_level: dict[str, float] = {}
     if isinstance(returned, dict):  # Lightning 1.0's dict from *_epoch_end: its scalars
-        reduced.update(
+        epoch_level.update(
             {
                 str(k): float(v)
                 for k, v in returned.items()
                 if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
             }
         )
+    reduced.update(epoch_level)
+    if several:  # each loader's self.log means (across ranks for sync_dist), kept apart
+        epoch_held = store.take_epoch()  # what the epoch-end hook logged
+        for index, held in enumerate(logged):
+            store.put_epoch(held)
+            means[index + 1].update(store.close_epoch())
+        for held in logged:
+            store.put_epoch(held)
+        store.put_epoch(epoch_held)
+        late_names = set(epoch_held)
+    else:
+        store.put_epoch(logged[0] if logged else {})
+        late_names = set()
     reduced.update(store.close_epoch())
     sanity_check = trainer.sanity_checking
     if not sanity_check:  # on_*_epoch_end sees this run's means
@@ -869,14 +908,21 @@ def evaluate(
     store.place = None
     if sanity_check:
         hooks(f"{on}_end")
-        return {}
+        return {}, []
     reduced.update(late)
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in late.items()})
     if reduced:
         at = max(trainer.global_step - 1, 0)
         write_metrics(trainer, {**reduced, "epoch": float(trainer.current_epoch)}, at)
     hooks(f"{on}_end")
-    return reduced
+    if not several:
+        return reduced, [dict(reduced)]
+    shared = {k: v for k, v in reduced.items() if k in {*epoch_level, *late, *late_names}}
+    per_loader = [
+        {**{f"{k}/dataloader_idx_{index}": v for k, v in own.items()}, **shared}
+        for index, own in enumerate(means[1:])
+    ]
+    return reduced, per_loader
 
 
 def run_validation(

@@ -9,6 +9,7 @@ across ranks in one collective when logged with ``sync_dist=True``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,21 @@ class MetricStore:
             else:
                 held.total = held.total + total
                 held.size = held.size + size
+
+    def take_epoch(self) -> dict[str, Any]:
+        """The epoch values held since the last call (or close), taken out of the store:
+        evaluation keeps each loader's apart (:meth:`put_epoch` adds them back)."""
+        held, self._epoch = self._epoch, {}
+        return held
+
+    def put_epoch(self, held: dict[str, Any]) -> None:
+        """Add epoch values :meth:`take_epoch` took back to those held (sums add up)."""
+        for name, value in held.items():
+            mine = self._epoch.get(name)
+            if mine is None:
+                self._epoch[name] = dataclasses.replace(value)
+            else:
+                mine.total, mine.size = mine.total + value.total, mine.size + value.size
 
     def take_step_values(self) -> dict[str, float]:
         """The step values logged since the last call, read as floats (one sync)."""

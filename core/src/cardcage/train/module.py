@@ -10,11 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cardcage.errors import MisconfigurationError
+
 if TYPE_CHECKING:
     from cardcage.train.trainer import Trainer
 
 #: The attribute the loop sets on the model that trains, in each training process.
 TRAINER_ATTRIBUTE = "_cardcage_trainer"
+#: The names the loop writes with every row itself: ``self.log`` refuses them.
+RESERVED_NAMES = ("step", "epoch")
 
 
 class Module(torch.nn.Module):
@@ -75,6 +79,13 @@ class Module(torch.nn.Module):
         ``on_step=True, on_epoch=False``, in validation and test steps and in epoch-end
         hooks the reverse). Epoch values are means weighted by batch size; ``sync_dist``
         reduces across ranks. See docs/training-loop.md, "Logging"."""
+        if name in RESERVED_NAMES:
+            raise MisconfigurationError(
+                f"self.log({name!r}, ...): {name!r} is the name of the column the loop "
+                f"writes each row's {name} into (every logger gets it with the metrics), and "
+                "logging it would overwrite that column. Log it under another name, e.g. "
+                f"self.log('my_{name}', ...)."
+            )
         trainer = self.trainer
         if trainer is None:
             _warn_outside_fit(name)

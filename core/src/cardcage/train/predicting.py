@@ -83,8 +83,8 @@ def predict(trainer: Trainer, model: torch.nn.Module | None, dataloaders: Any) -
             "predict: no dataloader. Pass trainer.predict(model, dataloaders=...) or add "
             "predict_dataloader() to the model."
         )
-    accelerator = trainer.evaluation_strategy()
-    results = _predict(trainer, accelerator, loaders, has_step)
+    with trainer.evaluating() as accelerator:
+        results = _predict(trainer, accelerator, loaders, has_step)
     return results[0] if len(results) == 1 else results
 
 
@@ -96,7 +96,7 @@ def _predict(
     trainer: Trainer, accelerator: Strategy, loaders: list[Any], has_step: bool
 ) -> list[list[Any]]:
     model = trainer.model
-    step = _step_function(accelerator, model, has_step)
+    step = _step_function(trainer, accelerator, model, has_step)
     to_device = accelerator.batch_to_device if accelerator.moves_batches else None
     autocast = accelerator.precision.autocast
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
@@ -130,14 +130,15 @@ def _predict(
 
 
 def _step_function(
-    accelerator: Strategy, model: torch.nn.Module, has_step: bool
+    trainer: Trainer, accelerator: Strategy, model: torch.nn.Module, has_step: bool
 ) -> Callable[..., Any]:
     """The backend's step function for ``predict_step``; without one, ``model(batch)``
     (through the backend's function for ``forward`` where the backend runs the model in a
     wrapper of its own, such as a sharded copy)."""
     if has_step:
-        return accelerator.step_function(model, "predict_step")
-    forward = accelerator.step_function(model, "forward")
+        step: Callable[..., Any] = trainer.evaluation_step_function(accelerator, "predict_step")
+        return step
+    forward = trainer.evaluation_step_function(accelerator, "forward")
     if getattr(forward, "__self__", None) is model:  # the backend calls the model itself
         return lambda batch, batch_idx, *rest: model(batch)
     return lambda batch, batch_idx, *rest: forward(batch)

@@ -6,8 +6,11 @@ its restore, and where the first epoch continues) is in :mod:`cardcage.train.res
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,6 +21,7 @@ from cardcage.backend.launch.error_files import record_fit_finished
 from cardcage.backend.launch.restarts import this_run
 from cardcage.backend.launch.watchdog import attach as attach_heart
 from cardcage.backend.selection_types import Selection
+from cardcage.backend.strategy.step_runner import trained_module
 from cardcage.backend.strategy.strategy import Strategy
 from cardcage.callbacks import EarlyStopping, ModelCheckpoint
 from cardcage.checkpoints import io as checkpoint
@@ -26,6 +30,7 @@ from cardcage.checkpoints.validation import OPTIMIZER_TYPES
 from cardcage.config.model_contract import Optimization, check_model, configure_optimizers
 from cardcage.errors import MisconfigurationError
 from cardcage.loggers import resolve as resolve_logger
+from cardcage.loggers.base import for_rank, plain
 from cardcage.plugins import manager as plugins
 from cardcage.selection.engine import select
 from cardcage.train import loop, predicting, requeue, stop_step
@@ -36,6 +41,18 @@ from cardcage.train.metrics import MetricStore
 from cardcage.train.module import TRAINER_ATTRIBUTE
 from cardcage.train.process_state import as_found
 from cardcage.train.progress import ProgressBar
+from cardcage.train.results import EvaluationResults
+
+
+class _LoggerNotGiven:
+    """``Trainer(logger=...)`` left out: a CSV logger under ``default_root_dir`` when it is
+    set, else none. ``logger=True`` passed explicitly writes under the current folder."""
+
+    def __repr__(self) -> str:
+        return "True"
+
+
+_LOGGER_NOT_GIVEN: Any = _LoggerNotGiven()
 
 
 def _loaders(value: Any) -> list[Any]:
@@ -98,9 +115,14 @@ class Trainer:
         log_every_n_steps: int = 50,
         num_sanity_val_steps: int = 0,
         callbacks: Any = None,
-        logger: Any = True,
+        logger: Any = _LOGGER_NOT_GIVEN,
         **unknown: Any,
     ):
+        # Lightning writes ./lightning_logs for logger=True without default_root_dir; left
+        # out, the logger writes only where default_root_dir says (no file otherwise).
+        here = os.getcwd() if logger is True else None
+        if logger is _LOGGER_NOT_GIVEN:
+            logger = True
         # Every check is select's (cardcage.config.flags and the selection engine), so that
         # select and `cardcage explain` refuse exactly what this constructor refuses.
         with plugins.slow_checks_named():  # a slow availability check named while it runs
@@ -178,12 +200,13 @@ class Trainer:
                 callback.on_init_start(self)
             if callable(init_end):
                 init_end(self)
-        #: The logger (or loggers) global rank 0 writes to; None writes nothing.
-        self.logger: Any = (
-            None
-            if self.flags.fast_dev_run
-            else resolve_logger(logger, self.flags.default_root_dir, registry)
-        )
+        #: The logger flag as given, and where logger=True writes without default_root_dir:
+        #: each fit after the first builds its loggers again (a new run, a new version).
+        self._logger_flag, self._logger_here = logger, here
+        #: The logger (or loggers) global rank 0 writes to; None writes nothing. Ranks other
+        #: than 0 hold a :class:`~cardcage.loggers.base.DummyLogger` in its place.
+        self.logger: Any = self._new_logger()
+        self._fits = 0
         #: What self.log recorded (cardcage.train.metrics); set up again in each training process.
         self.metrics = MetricStore()
         self.hooks = Hooks(self, self.model, self.callbacks)
@@ -283,6 +306,12 @@ class Trainer:
         loop.check_train_dataloader(train_dataloader, self.flags)  # length 0: before any process
         if val_dataloaders is None and callable(getattr(model, "val_dataloader", None)):
             val_dataloaders = model.val_dataloader()  # type: ignore[operator]
+        if self._fits:
+            self._new_run()
+        self._fits += 1
+        # Only a restart of this fit resumes from its step checkpoint (restarts.launch sets
+        # them); a fit before it that restarted must not hand this one its checkpoint.
+        self.restarts, self.restart_from = 0, None
         self.model = model
         self.train_dataloader = train_dataloader
         self.val_dataloaders = _loaders(val_dataloaders)
@@ -311,14 +340,16 @@ class Trainer:
 
     def validate(
         self, model: torch.nn.Module | None = None, dataloaders: Any = None
-    ) -> dict[str, float]:
-        """Run ``validation_step`` over the validation loaders; return the mean metrics."""
+    ) -> EvaluationResults:
+        """Run ``validation_step`` over the validation loaders (``model``'s hooks: the model
+        passed in, else the one fit trained); return the metrics, one dict per loader."""
         return self._evaluate(model, dataloaders, "validation_step", "val_dataloader", "val")
 
     def test(
         self, model: torch.nn.Module | None = None, dataloaders: Any = None
-    ) -> dict[str, float]:
-        """Run ``test_step`` over the test loaders; return the mean metrics."""
+    ) -> EvaluationResults:
+        """Run ``test_step`` over the test loaders (``model``'s hooks: the model passed in,
+        else the one fit trained); return the metrics, one dict per loader."""
         return self._evaluate(model, dataloaders, "test_step", "test_dataloader", "test")
 
     def predict(self, model: torch.nn.Module | None = None, dataloaders: Any = None) -> list[Any]:
@@ -371,6 +402,10 @@ class Trainer:
         accelerator = self.accelerator
         self.metrics = MetricStore(reduce=accelerator.reduce, world_size=accelerator.world_size)
         self.hooks = Hooks(self, self.model, self.callbacks)
+        # Only rank 0 writes the run's files: the other ranks' trainer.logger writes nothing
+        # (a user's self.trainer.logger.experiment.add_image on every rank made one
+        # TensorBoard events file per rank).
+        self.logger = for_rank(self.logger, accelerator.global_rank)
         self.model.__dict__[TRAINER_ATTRIBUTE] = self  # the model's self.log, self.trainer
         user = accelerator.unwrapped_model(self)
         if user is not self.model:
@@ -413,6 +448,12 @@ class Trainer:
         try:
             self.prepare()
             loop.fit_loop(self, self.accelerator, heart)
+        except BaseException as error:
+            # A fit that ends early ends its logger's run too (its files closed and flushed),
+            # as one that ends well does with "success"; the error is what propagates.
+            stopped = isinstance(error, KeyboardInterrupt | SystemExit)  # SystemExit: a requeue
+            self._finalize_logger("interrupted" if stopped else "failed")
+            raise
         finally:
             if self._requeue is not None:
                 self._requeue.close()
@@ -428,6 +469,19 @@ class Trainer:
                     heart.close()
         record_fit_finished()  # a rank that exits without this has left the job early
         return None
+
+    def _finalize_logger(self, status: str) -> None:
+        logger = self.logger
+        if logger is None or not self._prepared or not self.is_global_zero:
+            return
+        try:
+            logger.finalize(status)
+        except Exception as error:  # the fit's own error is the one to report
+            warnings.warn(
+                f"cardcage: {type(logger).__name__}.finalize({status!r}) failed: {error!r}",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def at_stop_step(self) -> None:
         """The loop reached ``stop_at_step``: checkpoint and requeue (raises), or go on."""
@@ -511,6 +565,23 @@ class Trainer:
         )
         return state
 
+    def _new_run(self) -> None:
+        """A second ``fit`` is a new run, as a new Trainer's would be: the counters from 0,
+        no state of the last run to resume or hand back, and the loggers built again (the
+        next free version; a logger object passed in is kept, with its own version)."""
+        self.current_epoch = self.global_step = self.batch_idx = 0
+        self.epoch_rng = self._resume = self._handed_back = self.run = None
+        self.losses, self.logged_metrics = [], {}
+        self.logger = self._new_logger()
+
+    def _new_logger(self) -> Any:
+        if self.flags.fast_dev_run:
+            return None
+        registry = self._registry or plugins.registry(os.environ)
+        return resolve_logger(
+            self._logger_flag, self.flags.default_root_dir, registry, self._logger_here
+        )
+
     def _hooks(self) -> Any:
         self.attach()
         assert self._registry is not None
@@ -534,11 +605,16 @@ class Trainer:
         state = self.checkpoint_state()
         if state is None:
             return None
+        logger = self.logger
+        # Rank 0's logger wrote the run's files: the caller's copy goes on with them (a
+        # test() after fit adds its rows to the fit's metrics.csv, in the same version).
+        handed = logger.run_state() if logger is not None and self.is_global_zero else None
         return {
             "checkpoint": state,
             "logged_metrics": dict(self.logged_metrics),
             "callback_metrics": {k: float(v) for k, v in self.callback_metrics.items()},
             "losses": list(self.losses),
+            "logger": handed if plain(handed) else None,
         }
 
     def apply_results(self, result: dict[str, Any]) -> None:
@@ -551,6 +627,8 @@ class Trainer:
             {k: torch.tensor(v) for k, v in result.get("callback_metrics", {}).items()}
         )
         self.load_callback_states(state.get("callbacks"))
+        if result.get("logger") is not None and self.logger is not None:
+            self.logger.continue_run(result["logger"])
         self.losses = list(result["losses"])
         self.global_step = int(state["global_step"])
         self.current_epoch = int(state["epoch"])
@@ -566,7 +644,7 @@ class Trainer:
         step: str,
         source: str,
         prefix: str,
-    ) -> dict[str, float]:
+    ) -> EvaluationResults:
         if model is not None:
             check_model(model, needs=step)
             self.model = model
@@ -581,28 +659,67 @@ class Trainer:
             raise MisconfigurationError(
                 f"{prefix}: no dataloader. Pass dataloaders=... or add {source}() to the model."
             )
-        return loop.evaluate(self, self.evaluation_strategy(), loaders, step, prefix)
+        with self.evaluating() as strategy:
+            combined, per_loader = loop.evaluate_loaders(self, strategy, loaders, step, prefix)
+        return EvaluationResults(per_loader, combined)
 
-    def evaluation_strategy(self) -> Strategy:
-        """Where ``validate``, ``test`` and ``predict`` run in this process.
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[Strategy]:
+        """Where ``validate``, ``test`` and ``predict`` run in this process, with
+        ``trainer.model`` (the model passed in, else the one fit trained) bound to this
+        Trainer while they run: its hooks are the ones called, its ``self.log`` recorded.
 
         In a process that is one rank of a running job (it trained, or the job's processes
         were made outside: torchrun, SLURM, horovodrun), that job's backend, set up here
-        if it was not. Otherwise (workers that trained are gone, or ``fit`` would start the
-        processes and has not) this process evaluates the whole data alone, on the CPU, with
-        the weights it holds: no process is started for an evaluation.
+        if it was not (a model other than the one it set up is moved to its device and run
+        as it is, outside the backend's wrapper of the trained one). Otherwise (workers that
+        trained are gone, or ``fit`` would start the processes and has not) this process
+        evaluates the whole data alone, on the CPU, with the weights it holds: no process is
+        started for an evaluation. What fit recorded (``callback_metrics``, the logger's
+        run) is kept: the evaluation's values are added to it.
         """
+        kept = self.metrics.callback_metrics
         selection = self.selection
         joins = self._prepared or selection.world_size <= 1
         joins = joins or (selection.processes_created_outside and self._handed_back is None)
+        strategy: Strategy
         if not joins or self._handed_back is not None:
-            alone = Strategy(dataclasses.replace(selection, world_size=1, global_rank=0))
-            alone.setup_process(self)
-            self.metrics = MetricStore()
-            self.hooks = Hooks(self, self.model, self.callbacks)
-            return alone
-        if not self._prepared:
-            self._hooks().cardcage_setup_process(trainer=self, accelerator=self.accelerator)
-            self._prepared = True
-            self.start_metrics()
-        return self.accelerator
+            strategy = Strategy(dataclasses.replace(selection, world_size=1, global_rank=0))
+            strategy.setup_process(self)
+        else:
+            strategy = self.accelerator
+            if not self._prepared:
+                self._hooks().cardcage_setup_process(trainer=self, accelerator=strategy)
+                self._prepared = True
+                self.start_metrics()
+            elif self._foreign(strategy):
+                self.model.to(strategy.device)
+                if strategy.precision.dtype is not None:
+                    self.model.to(strategy.precision.dtype)
+        self.metrics = MetricStore(
+            reduce=strategy.reduce, world_size=strategy.world_size, callback_metrics=kept
+        )
+        self.hooks = Hooks(self, self.model, self.callbacks)
+        models = {id(m): m for m in (self.model, strategy.unwrapped_model(self))}.values()
+        bound = [m for m in models if m.__dict__.get(TRAINER_ATTRIBUTE) is not self]
+        for bound_model in bound:
+            bound_model.__dict__[TRAINER_ATTRIBUTE] = self  # self.log, self.trainer
+        try:
+            yield strategy
+        finally:
+            for bound_model in bound:
+                bound_model.__dict__.pop(TRAINER_ATTRIBUTE, None)
+
+    def _foreign(self, strategy: Strategy) -> bool:
+        """Whether ``trainer.model`` is another model than the one ``strategy`` set up and
+        runs its steps through (a wrapper of it, or a sharded copy)."""
+        parallel = strategy.parallel
+        return parallel is not None and trained_module(parallel) is not self.model
+
+    def evaluation_step_function(self, strategy: Strategy, name: str) -> Any:
+        """The function that runs ``trainer.model.<name>`` for an evaluation: the backend's,
+        or the model's own method for a model the backend did not set up (its wrapper runs
+        the trained model)."""
+        if self._foreign(strategy):
+            return getattr(self.model, name)
+        return strategy.step_function(self.model, name)
