@@ -167,3 +167,29 @@ def test_an_unknown_precision_is_refused(value: Any) -> None:
 @pytest.mark.parametrize(("value", "expected"), [("32", 32), ("64", 64), ("bf16", "bf16")])
 def test_precision_spellings(value: str, expected: int | str) -> None:
     assert cardcage.Trainer(precision=value).flags.precision == expected
+
+
+@pytest.mark.slow
+def test_bf16_under_ddp_spawn_pickles_and_trains() -> None:
+    """Spawned workers receive the strategy by pickle; bf16's autocast was a lambda, and every
+    ddp_spawn fit at bf16 failed with "Can't pickle local object". Now it trains, under
+    autocast: the weights move, and differ from the same fit at 32."""
+    from cardcage.testing import models
+
+    def fit(precision: int | str) -> list[float]:
+        model = models.KitModel()
+        trainer = cardcage.Trainer(
+            distributed_backend="ddp_spawn",
+            num_processes=2,
+            max_epochs=1,
+            precision=precision,
+            progress_bar=False,
+            logger=False,
+        )
+        trainer.fit(model, models.loader(32, 8))
+        return models.flat(model)
+
+    start = models.flat(models.KitModel())
+    bf16 = fit("bf16")
+    assert bf16 != start
+    assert bf16 != fit(32)

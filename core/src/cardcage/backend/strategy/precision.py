@@ -11,6 +11,18 @@ import torch
 from cardcage.errors import MisconfigurationError
 
 
+class Autocast:
+    """A ``torch.autocast`` context factory for one device type and dtype. A class, not a
+    lambda: spawning backends pickle the strategy that holds it to their workers."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def __call__(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
 class Precision:
     """What a backend needs to train at a precision on one device type.
 
@@ -31,10 +43,10 @@ class Precision:
                     f"precision=16 (float16 autocast with a grad scaler) needs a CUDA GPU, but "
                     f"this run trains on {device_type}. Use precision='bf16' there, or gpus."
                 )
-            self.autocast = lambda: torch.autocast("cuda", dtype=torch.float16)
+            self.autocast = Autocast("cuda", torch.float16)
             self.scaler = torch.amp.GradScaler("cuda")
         elif precision == "bf16":
-            self.autocast = lambda: torch.autocast(device_type, dtype=torch.bfloat16)
+            self.autocast = Autocast(device_type, torch.bfloat16)
         elif precision == 64:
             self.dtype = torch.float64
 
