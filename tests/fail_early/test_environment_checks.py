@@ -119,12 +119,16 @@ class BadScheduler(ClusterEnvironment):
         return int(self.env["BAD_RANK"])
 
 
-def test_a_plugin_environments_rank_out_of_range_is_refused(
-    inprocess_plugins: Any, cuda_count_0: int
-) -> None:
+def register_bad_scheduler(inprocess_plugins: Any) -> None:
     module = types.ModuleType("cardcage_badscheduler")
     module.cardcage_cluster_environments = cardcage.hookimpl(lambda: [BadScheduler])  # type: ignore[attr-defined]
     inprocess_plugins(module, "badscheduler")
+
+
+def test_a_plugin_environments_rank_out_of_range_is_refused(
+    inprocess_plugins: Any, cuda_count_0: int
+) -> None:
+    register_bad_scheduler(inprocess_plugins)
     port = {"MASTER_PORT": "29500"}
     assert select(env={"BAD_SIZE": "2", "BAD_RANK": "1", **port}).global_rank == 1
     with pytest.raises(MisconfigurationError) as error:
@@ -140,9 +144,7 @@ def test_a_plugin_environment_without_a_port_is_refused_at_select(
     # It claims to give a rendezvous but has no MASTER_PORT for the processes it started:
     # select and `explain` accepted it, then every rank died in training with
     # "RuntimeError: no MASTER_PORT for the process group".
-    module = types.ModuleType("cardcage_badscheduler")
-    module.cardcage_cluster_environments = cardcage.hookimpl(lambda: [BadScheduler])  # type: ignore[attr-defined]
-    inprocess_plugins(module, "badscheduler")
+    register_bad_scheduler(inprocess_plugins)
     with pytest.raises(MisconfigurationError) as error:
         select(env={"BAD_SIZE": "2", "BAD_RANK": "1"})
     message = str(error.value)

@@ -762,21 +762,6 @@ _STAGES = {
 }
 
 
-def evaluate(
-    trainer: Trainer,
-    accelerator: Strategy,
-    loaders: Iterable[Any],
-    step_name: str,
-    prefix: str,
-    beat: Callable[[], None] = _still,
-    sanity: float | None = None,
-) -> dict[str, float]:
-    """Run ``step_name`` over ``loaders`` without gradients, with its hooks; return the mean
-    metrics over every loader (what the step returned, and what it logged). See
-    :func:`evaluate_loaders`."""
-    return evaluate_loaders(trainer, accelerator, loaders, step_name, prefix, beat, sanity)[0]
-
-
 def evaluate_loaders(
     trainer: Trainer,
     accelerator: Strategy,
@@ -937,7 +922,9 @@ def run_validation(
         return {}
     place = trainer.metrics.place
     try:
-        metrics = evaluate(trainer, accelerator, loaders, "validation_step", "val", beat, sanity)
+        metrics = evaluate_loaders(
+            trainer, accelerator, loaders, "validation_step", "val", beat, sanity
+        )[0]
     finally:
         trainer.metrics.place = place
     if not trainer.sanity_checking:
