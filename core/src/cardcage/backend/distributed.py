@@ -26,9 +26,12 @@ from cardcage.backend.strategy import group_exit
 from cardcage.backend.strategy.samplers import distributed_loader
 from cardcage.backend.strategy.step_runner import CALL, StepRunner
 from cardcage.config import variables
+from cardcage.config.model_contract import takes_optimizer_idx
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from cardcage.config.flags import Flags
 
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
     "broadcast_from_rank_zero",
     "cpu_threads_per_process",
     "distributed_loader",
+    "finds_unused_parameters",
     "share_cpu_threads",
 ]
 
@@ -66,6 +70,16 @@ def share_cpu_threads(local_world_size: int, local_rank: int) -> None:
             os.cpu_count() or 1,
             local_world_size,
         )
+
+
+def finds_unused_parameters(flags: Flags, model: torch.nn.Module) -> bool:
+    """DistributedDataParallel's ``find_unused_parameters``: the flag, or when it is None,
+    True for a model stepped once per optimizer (``training_step`` takes ``optimizer_idx``:
+    each optimizer's turn leaves the others' parameters without gradients), as Lightning 1.0
+    set it; otherwise False, which costs nothing a step."""
+    if flags.find_unused_parameters is not None:
+        return flags.find_unused_parameters
+    return takes_optimizer_idx(model)
 
 
 def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
@@ -208,7 +222,9 @@ class DistributedAccelerator(Accelerator):
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(
-            StepRunner(model, self.precision.autocast), device_ids=device_ids
+            StepRunner(model, self.precision.autocast),
+            device_ids=device_ids,
+            find_unused_parameters=finds_unused_parameters(self.selection.flags, model),
         )
 
     # -- the loop's calls -------------------------------------------------------------------

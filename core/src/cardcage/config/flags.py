@@ -35,6 +35,7 @@ class Flags:
     sync_batchnorm: bool = False
     benchmark: bool = False
     replace_sampler_ddp: bool = True
+    find_unused_parameters: bool | None = None
     precision: int | str = 32
     max_epochs: int | None = 1
     max_steps: int | None = None
@@ -283,6 +284,14 @@ def validate_flags(**kwargs: Any) -> Flags:
         )
     for name in ("auto_select_gpus", "sync_batchnorm", "benchmark", "replace_sampler_ddp"):
         _bool(name, getattr(flags, name))
+    if flags.find_unused_parameters is not None and not isinstance(
+        flags.find_unused_parameters, bool
+    ):
+        raise MisconfigurationError(
+            f"find_unused_parameters={flags.find_unused_parameters!r} is not valid: use True "
+            "(DistributedDataParallel looks for parameters a step leaves unused), False, or "
+            "None (True for a training_step that takes optimizer_idx, else False)."
+        )
     if not isinstance(flags.terminate_on_nan, bool):
         raise MisconfigurationError(
             f"terminate_on_nan={flags.terminate_on_nan!r} is not valid: terminate_on_nan must "

@@ -241,6 +241,18 @@ def _optimizer_dict(
     ]
 
 
+def takes_optimizer_idx(model: torch.nn.Module) -> bool:
+    """Whether ``model.training_step`` takes ``optimizer_idx`` (Lightning 1.0's steps, one
+    per optimizer)."""
+    step = getattr(model, "training_step", None)
+    if not callable(step):
+        return False
+    try:
+        return "optimizer_idx" in inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def configure_optimizers(model: torch.nn.Module) -> Optimization:
     """Call ``model.configure_optimizers()`` and normalise what it returned; a malformed
     scheduler entry (unknown key, bad interval or frequency) is refused here, naming it."""
@@ -269,13 +281,7 @@ def configure_optimizers(model: torch.nn.Module) -> Optimization:
         optimizers = _as_list(result)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise MisconfigurationError(f"{where} returned {result!r}. {_FORMATS}")
-    per_optimizer = (
-        len(optimizers) > 1
-        and "optimizer_idx"
-        in inspect.signature(
-            model.training_step  # type: ignore[arg-type]
-        ).parameters
-    )
+    per_optimizer = len(optimizers) > 1 and takes_optimizer_idx(model)
     return Optimization(optimizers, [c.scheduler for c in configs], per_optimizer, configs)
 
 

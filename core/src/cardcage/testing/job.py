@@ -30,10 +30,12 @@ from cardcage.testing.models import (
     SCENARIO,
     UNEVEN_SAMPLES,
     VAL_SAMPLES,
+    EachTurnsOutput,
     FailingModel,
     KitModel,
     RecordFitEnd,
     StopOnLastRank,
+    TurnsModel,
     flat,
     loader,
     seed_for_rank,
@@ -244,6 +246,23 @@ def clip(job: Job) -> dict[str, Any]:
     return {"norm": flat(by_norm), "value": flat(by_value)}
 
 
+def optimizer_idx(job: Job) -> dict[str, Any]:
+    """Two optimizers stepped in turn (``training_step`` takes ``optimizer_idx``), clipped by
+    norm after 2 accumulated micro-batches, with a batch callback: the loop's hooked path,
+    where each optimizer must still get its own turn."""
+    model = TurnsModel("two")
+    _fit(
+        job,
+        model,
+        job.train(),
+        max_epochs=2,
+        gradient_clip_val=CLIP_NORM,
+        accumulate_grad_batches=CLIP_ACCUMULATE,
+        callbacks=[EachTurnsOutput()],
+    )
+    return {"weights": flat(model)}
+
+
 def fail(job: Job) -> dict[str, Any]:
     """Rank 1 raises at its second step."""
     model = FailingModel("sgd")
@@ -257,6 +276,7 @@ SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
     "uneven": uneven,
     "drop_last": drop_last,
     "two_optimizers": two_optimizers,
+    "optimizer_idx": optimizer_idx,
     "max_steps": max_steps,
     "checkpoint": checkpoint,
     "checkpoint_in_step": checkpoint_in_step,

@@ -253,6 +253,31 @@ class KitModel(torch.nn.Module):
         return (optimizers, schedulers) if schedulers else optimizers
 
 
+class TurnsModel(KitModel):
+    """Two optimizers stepped in turn: ``training_step`` takes ``optimizer_idx``."""
+
+    def training_step(  # type: ignore[override]
+        self, batch: Any, batch_idx: int, optimizer_idx: int
+    ) -> torch.Tensor:
+        if optimizer_idx not in (0, 1):
+            raise AssertionError(f"training_step got optimizer_idx={optimizer_idx!r}")
+        return super().training_step(batch, batch_idx)
+
+
+class EachTurnsOutput(Callback):
+    """A batch hook (so the loop takes its hooked path) that checks it gets one output per
+    optimizer, as Lightning 1.0's ``on_train_batch_end`` does for ``optimizer_idx`` steps."""
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, index: int
+    ) -> None:
+        turns = len(trainer.optimization.optimizers)
+        if not isinstance(outputs, list) or len(outputs) != turns:
+            raise AssertionError(
+                f"on_train_batch_end got outputs {outputs!r}, not one per optimizer ({turns})"
+            )
+
+
 class FailingModel(KitModel):
     """Rank 1 raises at its second step. Defined here, not in the job script, so that
     workers that get the script's classes by value (horovod.run's) still share ``current``

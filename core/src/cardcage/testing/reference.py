@@ -82,6 +82,7 @@ def run(
     resize: tuple[int, int] | None = None,
     accumulate: int = 1,
     clip: tuple[str, float] | None = None,
+    turns: bool = False,
 ) -> tuple[int, list[torch.optim.Optimizer]]:
     """Train ``model`` as the job's scenario would; returns the number of steps taken and
     the optimizers as they are after them.
@@ -91,7 +92,10 @@ def run(
     step takes the gradients of N consecutive global batches, each loss divided by N (the
     last, shorter group of an epoch too, as Lightning 1.0 divides it). ``clip=(algorithm,
     value)``: before each step, each optimizer's gradients clipped by their total 2-norm
-    (``"norm"``) or element-wise (``"value"``). A scheduler given as a dict with
+    (``"norm"``) or element-wise (``"value"``). ``turns``: the optimizers step one after
+    the other (Lightning 1.0's ``optimizer_idx``): each optimizer's backward runs with the
+    other optimizers' parameters frozen, and on a group's last batch it is clipped and
+    steps before the next optimizer's forward. A scheduler given as a dict with
     ``"interval": "step"`` steps after every optimizer step; the others after each epoch
     that ran to its end."""
     optimizers, configured = make_optimizers(model, kind)  # type: ignore[arg-type]
@@ -109,14 +113,16 @@ def run(
         for group in steps:
             for optimizer in optimizers:
                 optimizer.zero_grad()
-            for parts in group:
-                losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in parts]
-                (torch.stack(losses).mean() / accumulate).backward()  # type: ignore[no-untyped-call]
-            if clip is not None:
+            if turns:
+                _turns(model, optimizers, group, accumulate, clip)
+            else:
+                for parts in group:
+                    _backward(model, parts, accumulate)
+                if clip is not None:
+                    for optimizer in optimizers:
+                        clip_gradients(optimizer, *clip)
                 for optimizer in optimizers:
-                    clip_gradients(optimizer, *clip)
-            for optimizer in optimizers:
-                optimizer.step()
+                    optimizer.step()
             step, taken = step + 1, taken + 1
             for scheduler in per_step:
                 scheduler.step()
@@ -127,6 +133,36 @@ def run(
                 scheduler.step()
         epoch += 1
     return step, optimizers
+
+
+def _backward(
+    model: torch.nn.Module, parts: list[tuple[torch.Tensor, torch.Tensor]], accumulate: int
+) -> None:
+    losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in parts]
+    (torch.stack(losses).mean() / accumulate).backward()  # type: ignore[no-untyped-call]
+
+
+def _turns(
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    group: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    accumulate: int,
+    clip: tuple[str, float] | None,
+) -> None:
+    """One optimizer step of each optimizer in turn over an accumulated ``group``."""
+    for position, parts in enumerate(group):
+        for optimizer in optimizers:
+            own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            others = [p for p in model.parameters() if id(p) not in own]
+            for parameter in others:
+                parameter.requires_grad_(False)
+            _backward(model, parts, accumulate)
+            for parameter in others:
+                parameter.requires_grad_(True)
+            if position == len(group) - 1:
+                if clip is not None:
+                    clip_gradients(optimizer, *clip)
+                optimizer.step()
 
 
 def clip_gradients(optimizer: torch.optim.Optimizer, algorithm: str, value: float) -> None:

@@ -29,6 +29,7 @@ SCENARIOS = (
     "uneven",
     "drop_last",
     "two_optimizers",
+    "optimizer_idx",
     "max_steps",
     "checkpoint",
     "checkpoint_in_step",

@@ -50,6 +50,13 @@ def expected(scenario: str, world: int, batch: int) -> dict[str, list[float]]:
         return {"weights": weights}
     if scenario == "two_optimizers":
         return {"weights": reference.weights("two", **two_epochs)}
+    if scenario == "optimizer_idx":
+        clipped: dict[str, Any] = {
+            "accumulate": CLIP_ACCUMULATE,
+            "clip": ("norm", CLIP_NORM),
+            "turns": True,
+        }
+        return {"weights": reference.weights("two", **clipped, **two_epochs)}
     if scenario == "max_steps":
         return {
             "weights": reference.weights("adam", epochs=None, max_steps=5, **options),

@@ -20,7 +20,7 @@ import inspect
 import math
 import operator
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -130,12 +130,18 @@ def fit_loop(trainer: Trainer, accelerator: Strategy, heart: watchdog.Heart | No
 
 def _step_calls(
     accelerator: Strategy, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
-) -> tuple[Callable[[torch.Tensor], Any], Callable[[torch.optim.Optimizer], Any], bool]:
-    """The backward and optimizer step the loop calls, and whether it calls the precision's
-    ``update``. Where neither the backend nor its precision changes them (no grad scaler,
-    no override), ``loss.backward()`` and ``optimizer.step()`` themselves: five Python
-    calls a step fewer, the plain loop's own. A model's own ``backward`` hook replaces
-    ``loss.backward()`` where the backend adds nothing to it."""
+) -> tuple[
+    Callable[[torch.Tensor], Any],
+    Callable[[torch.Tensor, int], Any],
+    Callable[[torch.optim.Optimizer], Any],
+    bool,
+]:
+    """The backward the loop calls (and the one a per-optimizer turn calls with its
+    optimizer's index), the optimizer step, and whether it calls the precision's ``update``.
+    Where neither the backend nor its precision changes them (no grad scaler, no override),
+    ``loss.backward()`` and ``optimizer.step()`` themselves: five Python calls a step fewer,
+    the plain loop's own. A model's own ``backward(loss, optimizer, optimizer_idx)`` hook
+    replaces ``loss.backward()`` where the backend adds nothing to it."""
     precision = accelerator.precision
     kind, own = type(accelerator), type(precision)
     plain = precision.scaler is None and all(
@@ -155,13 +161,22 @@ def _step_calls(
                 "hook, or train with precision=32 on another backend."
             )
 
+        def indexed(loss: torch.Tensor, index: int) -> None:
+            model_backward(loss, optimizers[index] if optimizers else None, index)
+
         def backward(loss: torch.Tensor) -> None:
-            model_backward(loss, optimizers[0] if optimizers else None, 0)
+            indexed(loss, 0)
+
+    else:
+        unindexed = backward
+
+        def indexed(loss: torch.Tensor, index: int) -> None:
+            unindexed(loss)
 
     optimizer_step: Callable[[torch.optim.Optimizer], Any] = accelerator.optimizer_step
     if plain and kind.optimizer_step is Strategy.optimizer_step:
         optimizer_step = operator.methodcaller("step")
-    return backward, optimizer_step, not plain
+    return backward, indexed, optimizer_step, not plain
 
 
 class _Stepping:
@@ -223,7 +238,10 @@ def batch_limit(value: float | int, length: int | None, flag: str) -> float:
 
 
 def _detached(output: Any) -> Any:
-    """A step's output as ``*_epoch_end`` gets it: tensors detached, a loss as ``{"loss"}``."""
+    """A step's output as ``*_epoch_end`` gets it: tensors detached, a loss as ``{"loss"}``
+    (each turn's, in the list of a batch stepped once per optimizer)."""
+    if isinstance(output, list):
+        return [_detached(turn) for turn in output]
     if isinstance(output, torch.Tensor):
         return {"loss": output.detach()}
     if isinstance(output, dict):
@@ -270,7 +288,9 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     step = accelerator.step_function(model, "training_step")
     to_device = accelerator.batch_to_device if accelerator.moves_batches else None
     autocast = precision.autocast
-    backward, optimizer_step, updates = _step_calls(accelerator, model, optimizers)
+    backward, indexed_backward, optimizer_step, updates = _step_calls(
+        accelerator, model, optimizers
+    )
     if callable(getattr(model, "optimizer_step", None)):
         optimizer_step = _model_optimizer_step(trainer, model, optimizer_step)
     bar = trainer.progress
@@ -281,14 +301,9 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     if fast:
         max_epochs = 1
     min_epochs = flags.min_epochs or 1
-    single = not optimization.per_optimizer_steps
+    # optimizer_idx models: each batch is a turn per optimizer (_turns)
+    turns = _turns(model, optimizers, optimization.per_optimizer_steps)
     accumulate = flags.accumulate_grad_batches
-    if accumulate > 1 and not single:
-        raise MisconfigurationError(
-            f"accumulate_grad_batches={accumulate} with several optimizers stepped one at a "
-            "time (training_step takes optimizer_idx) is not supported. Use "
-            "accumulate_grad_batches=1, or one optimizer."
-        )
     skip_sync = accelerator.skip_gradient_sync
     clip = float(flags.gradient_clip_val)
     clip_algorithm = flags.gradient_clip_algorithm
@@ -309,12 +324,12 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     epoch_end = getattr(model, "training_epoch_end", None)
     outputs: list[Any] = []
     collect = callable(epoch_end)
-    # a step that runs no hook, no accumulation and no clipping: the plain loop's step
+    # a step that runs no hook, no accumulation, no clipping and one turn: the plain loop's
     hooked = any(
         h is not None
         for h in (before_zero_grad, batch_start_cb, batch_start, batch_end_cb, batch_end, step_end)
     )
-    hooked = hooked or collect or accumulate > 1 or clip > 0
+    hooked = hooked or collect or accumulate > 1 or clip > 0 or turns is not None
     skip, resume_rng, rng_after_fetch = trainer.resume_position()
     every = restarts.steps_between_checkpoints(flags)
     # NaN or infinite losses: terminate_on_nan checks each step (one sync a step); otherwise
@@ -332,6 +347,12 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     epoch_length = (
         length if limit == math.inf else min(limit, length if length is not None else math.inf)
     )
+    # a loader without len() that accumulates is read one batch ahead, so that the epoch's
+    # last batch is known when it trains and its shorter group steps (_Lookahead)
+    ahead = _Lookahead(loader) if epoch_length is None and accumulate > 1 else None
+    batches = ahead if ahead is not None else loader
+    if limit == 0:  # Lightning 1.0: limit_train_batches=0 runs no epoch (nor its hooks)
+        max_epochs = 0
 
     _start(trainer, accelerator, val_loaders, beat)
     epoch = trainer.current_epoch
@@ -352,7 +373,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
         trainer.in_epoch = True
         batch_idx = -1  # stays -1 when the loader yields nothing
         micro = 0  # micro-batches accumulated since the last optimizer step
-        for batch_idx, batch in enumerate(loader):
+        for batch_idx, batch in enumerate(batches):
             if tracked.unread:  # the step that closed a chunk has run: read it now
                 tracked.read_chunks()
             if skip:  # resuming inside an epoch: draw the same batches, train on the rest
@@ -379,8 +400,9 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
                     batch,
                     batch_idx,
                     micro,
-                    epoch_length,
-                    backward,
+                    epoch_length if ahead is None else batch_idx + 1 if ahead.last else None,
+                    turns,
+                    indexed_backward,
                     optimizer_step,
                     stop,
                     beat,
@@ -412,7 +434,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
                         batch_end(output, batch, batch_idx, 0)
                     continue
                 micro = 0
-            elif single:
+            else:
                 for optimizer in optimizers:
                     optimizer.zero_grad()
                 if autocast is None:
@@ -434,20 +456,6 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
                     after_backward()
                 for optimizer in optimizers:
                     optimizer_step(optimizer)
-            else:
-                loss = output = _per_optimizer_step(
-                    step,
-                    batch,
-                    batch_idx,
-                    optimizers,
-                    accelerator,
-                    after_backward,
-                    beat,
-                    stop,
-                    clip,
-                    clip_algorithm,
-                    before_zero_grad,
-                )
             if watched:
                 beat()
             if updates:
@@ -549,7 +557,8 @@ def _hooked_step(
     batch_idx: int,
     micro: int,
     epoch_length: float | int | None,
-    backward: Callable[[torch.Tensor], Any],
+    turns: list[_Turn] | None,
+    backward: Callable[[torch.Tensor, int], Any],
     optimizer_step: Callable[[torch.optim.Optimizer], Any],
     stop: Callable[[torch.Tensor, int], None] | None,
     beat: Callable[[], None],
@@ -564,10 +573,18 @@ def _hooked_step(
     clip: float,
     clip_algorithm: str,
 ) -> tuple[Any, torch.Tensor, bool]:
-    """One batch with hooks, accumulation or clipping: ``(output, loss, stepped)``, where
-    ``stepped`` says whether the optimizers stepped (the last micro-batch of ``accumulate``,
-    or the epoch's last batch). ``output`` is ``_END_EPOCH`` when a batch-start hook
-    returned -1 (Lightning 1.0: the epoch ends there)."""
+    """One batch with hooks, accumulation, clipping or optimizers stepped in turn:
+    ``(output, loss, stepped)``, where ``stepped`` says whether the optimizers stepped (the
+    last micro-batch of ``accumulate``, or the epoch's last batch). ``output`` is
+    ``_END_EPOCH`` when a batch-start hook returned -1 (Lightning 1.0: the epoch ends
+    there).
+
+    Without ``turns`` the step runs once and every optimizer steps on its backward. With
+    ``turns`` (``training_step`` takes ``optimizer_idx``), each optimizer in order has its
+    own turn, as in Lightning 1.0: the other optimizers' parameters are frozen while
+    ``training_step(batch, batch_idx, optimizer_idx=i)`` and its backward run; on a stepping
+    batch its gradients are then clipped and it steps before the next turn. The batch's
+    output is then the list of each turn's."""
     precision = accelerator.precision
     optimizers = trainer.optimization.optimizers
     if batch_start_cb is not None:
@@ -582,37 +599,107 @@ def _hooked_step(
     if micro == 0:
         for optimizer in optimizers:
             optimizer.zero_grad()
-    context = skip_sync() if not final else contextlib.nullcontext()
-    with context:
-        if precision.autocast is None:
-            output = step(batch, batch_idx)
-        else:
-            with precision.autocast():
-                output = step(batch, batch_idx)
-        if watched:
-            beat()
-        if step_end is not None:
-            output = step_end(output)
-        loss = extract_loss(output)
-        if stop is not None:
-            stop(loss, batch_idx)
-        backward(loss / accumulate if accumulate > 1 else loss)
-    if not final:
-        return output, loss.detach(), False
-    if after_backward is not None or clip > 0:
-        precision.unscale(optimizers)
-    if after_backward is not None:
-        after_backward()
-    if clip > 0:
-        for optimizer in optimizers:
-            accelerator.clip_gradients(optimizer, clip, clip_algorithm)
-    for optimizer in optimizers:
-        optimizer_step(optimizer)
-    if before_zero_grad is not None:  # Lightning 1.0: after the step, before zero_grad
-        for optimizer in optimizers:
-            before_zero_grad(optimizer)
-            optimizer.zero_grad()
-    return output, loss, True
+    outputs: list[Any] = []
+    loss = torch.zeros(())
+    for turn in turns if turns is not None else (_Turn(None, optimizers, ()),):
+        frozen = turn.freeze()
+        kwargs = {} if turn.index is None else {"optimizer_idx": turn.index}
+        try:
+            with skip_sync() if not final else contextlib.nullcontext():
+                if precision.autocast is None:
+                    output = step(batch, batch_idx, **kwargs)
+                else:
+                    with precision.autocast():
+                        output = step(batch, batch_idx, **kwargs)
+                if watched:
+                    beat()
+                if step_end is not None:
+                    output = step_end(output)
+                loss = extract_loss(output)
+                if stop is not None:
+                    stop(loss, batch_idx)
+                backward(loss / accumulate if accumulate > 1 else loss, turn.index or 0)
+        finally:
+            for parameter in frozen:
+                parameter.requires_grad_(True)
+        outputs.append(output)
+        if not final:
+            continue
+        owned = turn.optimizers
+        if after_backward is not None or clip > 0:
+            precision.unscale(owned)
+        if after_backward is not None:
+            after_backward()
+        if clip > 0:
+            for optimizer in owned:
+                accelerator.clip_gradients(optimizer, clip, clip_algorithm)
+        for optimizer in owned:
+            optimizer_step(optimizer)
+        if before_zero_grad is not None:  # Lightning 1.0: after the step, before zero_grad
+            for optimizer in owned:
+                before_zero_grad(optimizer)
+                optimizer.zero_grad()
+    output = outputs if turns is not None else outputs[0]
+    return output, loss if final else loss.detach(), final
+
+
+class _Turn:
+    """One optimizer's turn in a batch (``index``: its ``optimizer_idx``; None: one step for
+    every optimizer). The parameters it does not hold are frozen for its step and backward
+    (Lightning 1.0's ``toggle_optimizer``; here they are given back after, and a parameter
+    the user froze stays frozen)."""
+
+    def __init__(
+        self,
+        index: int | None,
+        optimizers: list[torch.optim.Optimizer],
+        others: tuple[torch.nn.Parameter, ...],
+    ):
+        self.index = index
+        self.optimizers = optimizers
+        self._others = others
+
+    def freeze(self) -> list[torch.nn.Parameter]:
+        frozen = [p for p in self._others if p.requires_grad]
+        for parameter in frozen:
+            parameter.requires_grad_(False)
+        return frozen
+
+
+def _turns(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], per_optimizer: bool
+) -> list[_Turn] | None:
+    """The turns of a model whose ``training_step`` takes ``optimizer_idx``; None: one step."""
+    if not per_optimizer:
+        return None
+    parameters = list(model.parameters())
+    turns = []
+    for index, optimizer in enumerate(optimizers):
+        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        turns.append(_Turn(index, [optimizer], tuple(p for p in parameters if id(p) not in own)))
+    return turns
+
+
+class _Lookahead:
+    """A loader's batches, each yielded once the next one is fetched: ``last`` is True
+    while the batch just yielded is the loader's last (a loader without ``len``)."""
+
+    def __init__(self, loader: Iterable[Any]):
+        self._loader = loader
+        self.last = False
+
+    def __iter__(self) -> Iterator[Any]:
+        self.last = False
+        batches = iter(self._loader)
+        try:
+            held = next(batches)
+        except StopIteration:
+            return
+        for following in batches:
+            yield held
+            held = following
+        self.last = True
+        yield held
 
 
 def _start(
@@ -698,47 +785,6 @@ def step_due(
                 )
             continue
         config.scheduler.step(value)
-
-
-def _per_optimizer_step(
-    step: Any,
-    batch: Any,
-    batch_idx: int,
-    optimizers: list[torch.optim.Optimizer],
-    accelerator: Strategy,
-    after_backward: Any = None,
-    beat: Callable[[], None] = _still,
-    stop: Callable[[torch.Tensor, int], None] | None = None,
-    clip: float = 0.0,
-    clip_algorithm: str = "norm",
-    before_zero_grad: Callable[..., Any] | None = None,
-) -> torch.Tensor:
-    """Lightning 1.0's multi-optimizer contract: one step per optimizer, ``optimizer_idx``."""
-    precision = accelerator.precision
-    loss = torch.zeros(())
-    for index, optimizer in enumerate(optimizers):
-        optimizer.zero_grad()
-        if precision.autocast is None:
-            output = step(batch, batch_idx, optimizer_idx=index)
-        else:
-            with precision.autocast():
-                output = step(batch, batch_idx, optimizer_idx=index)
-        beat()
-        loss = extract_loss(output)
-        if stop is not None:  # terminate_on_nan
-            stop(loss, batch_idx)
-        accelerator.backward(loss)
-        if after_backward is not None or clip > 0:
-            precision.unscale([optimizer])
-        if after_backward is not None:
-            after_backward()
-        if clip > 0:
-            accelerator.clip_gradients(optimizer, clip, clip_algorithm)
-        accelerator.optimizer_step(optimizer)
-        if before_zero_grad is not None:  # Lightning 1.0: after the step, before zero_grad
-            before_zero_grad(optimizer)
-            optimizer.zero_grad()
-    return loss
 
 
 def _positional_count(function: Any) -> int:
@@ -841,7 +887,7 @@ def evaluate_loaders(
         store.batch = None
         store.place = EVAL_EPOCH
         returned = None
-        if callable(epoch_end):
+        if callable(epoch_end) and any(sizes):  # Lightning 1.0: not after no batch at all
             returned = epoch_end(outputs[0] if len(loaders) == 1 else outputs)
     model.train(was_training)
     # A mean weighted by batch size, over every rank: each rank's sums of value x size and
