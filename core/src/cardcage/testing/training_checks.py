@@ -453,6 +453,54 @@ class TrainingChecks(SuiteBase):
             finally:
                 harness.cleanup()
 
+    def bf16_launch(self) -> Launch:
+        """The launch the bf16 check runs: the first that spawns several processes (what a
+        spawning backend sends its workers is pickled), else the first of several, else the
+        first; at ``precision='bf16'``."""
+        declared = list(self.launches.values())
+        several = [launch for launch in declared if launch.world_size > 1]
+        spawned = [
+            launch
+            for launch in several
+            if launch.command == "python"
+            and "spawn" in str(launch.flags.get("distributed_backend"))
+        ]
+        chosen = (spawned or several or declared)[0]
+        return dataclasses.replace(chosen, flags={**chosen.flags, "precision": "bf16"})
+
+    def test_trains_at_bf16(self, tmp_path: Path) -> None:
+        """At ``precision='bf16'`` the Trainer's fit and the Cage's loop train in every
+        process of one launch (:meth:`bf16_launch`), under bf16 autocast: each rank's
+        weights are near the plain 32-bit loop's (within 0.05) but not equal to them."""
+        self.need_training()
+        self.skip_unsupported("bf16", "adam_shuffled", "cage_sgd")
+        launch = self.bf16_launch()
+        harness = Harness(tmp_path)
+        try:
+            job = run_job(
+                harness, launch, ["adam_shuffled", "cage_sgd"], tmp_path / "out", self.batch_size
+            )
+            self.assert_backend_trained(job)
+            options: dict[str, Any] = {"batch": self.batch_size, "world": launch.world_size}
+            trained = {
+                "adam_shuffled (Trainer)": (
+                    job.result("adam_shuffled")["weights"],
+                    reference.weights("adam", shuffle=True, epochs=2, **options),
+                )
+            }
+            sgd = reference.weights("sgd", epochs=2, **options)
+            for rank, result in job.results("cage_sgd", every_rank=True).items():
+                trained[f"cage_sgd (Cage, rank {rank})"] = (result["sgd"], sgd)
+            for what, (weights, full) in trained.items():
+                worst = max(abs(a - b) for a, b in zip(weights, full, strict=True))
+                assert 0 < worst <= 0.05, (
+                    f"{what} at bf16 differs from the 32-bit plain loop by {worst:.3g}: "
+                    f"{'not under autocast' if worst == 0 else 'more than 0.05'}\n{job.output}"
+                )
+            harness.assert_no_leftovers()
+        finally:
+            harness.cleanup()
+
     def test_a_failing_rank_is_named(self, launch: str, tmp_path: Path) -> None:
         declared: Launch = self.launches[launch]
         if declared.world_size < 2:

@@ -83,10 +83,16 @@ class CageProcess:
                 self.replaced[id(parameter)] = new
         self.trained.append(trained)
         self.held.append(model)
-        if wrapped is model:
+        autocast = self.strategy.precision.autocast
+        if wrapped is model and autocast is None:
             self.modules[id(model)] = (trained, wrapped)
             return model
-        call = functools.partial(wrapped, CALL) if runner_in(wrapped) is not None else wrapped
+        if wrapped is model:  # a backend that wraps nothing: the forward under autocast here
+            call: Callable[..., Any] = _Autocasting(model, autocast)
+        elif runner_in(wrapped) is not None:  # its StepRunner enters the autocast
+            call = functools.partial(wrapped, CALL)
+        else:
+            call = wrapped
         module = CageModule(trained, call, self)
         self.held.append(module)
         self.modules[id(model)] = self.modules[id(module)] = (trained, wrapped)
@@ -325,6 +331,18 @@ class StateView:
         self.optimization = optimization
         self.flags = cage.flags
         self.selection = cage.selection
+
+
+class _Autocasting:
+    """A module's forward under the precision's autocast (as Fabric runs a set-up module's)."""
+
+    def __init__(self, module: torch.nn.Module, autocast: Callable[[], Any]):
+        self.module = module
+        self.autocast = autocast
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.autocast():
+            return self.module(*args, **kwargs)
 
 
 class CageModule(torch.nn.Module):
