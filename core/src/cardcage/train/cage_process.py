@@ -87,7 +87,7 @@ class CageProcess:
         if wrapped is model and autocast is None:
             self.modules[id(model)] = (trained, wrapped)
             return model
-        if wrapped is model:  # a backend that wraps nothing: the forward under autocast here
+        if wrapped is model and autocast is not None:  # nothing wraps it: autocast here
             call: Callable[..., Any] = _Autocasting(model, autocast)
         elif runner_in(wrapped) is not None:  # its StepRunner enters the autocast
             call = functools.partial(wrapped, CALL)
