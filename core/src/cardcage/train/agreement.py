@@ -52,15 +52,20 @@ def fingerprint(parts: Sequence[str], world_size: int) -> list[float]:
 
 
 def _gathered_disagree(strategy: Any, row: list[float]) -> bool:
-    """All-gather ``row`` (one small collective); whether any rank's differs."""
+    """All-gather ``row`` (one small collective, its last value a flag: 1 where this rank's
+    own checks passed); whether any rank's differs, or any rank's flag is down."""
     own = torch.tensor(row, dtype=torch.float32, device=strategy.device)
     rows = strategy.all_gather(own).cpu()
-    return not bool((rows == rows[0]).all())
+    return not bool((rows == rows[0]).all()) or not bool((rows[:, -1] == 1).all())
 
 
 def _each_rank(strategy: Any, obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (one broadcast per rank: the mismatch path)."""
     return [strategy.broadcast(obj, src=rank) for rank in range(strategy.world_size)]
+
+
+#: The hooks behind :mod:`cardcage.train.metrics`' places (only training steps log on_step).
+HOOKS = {"train batch": "training_step (or a training batch hook)"}
 
 
 def _said(names: Sequence[str]) -> str:
@@ -134,16 +139,18 @@ def _step_message(
         "values with sync_dist=False."
     )
     if each is None:
-        logged = _said([f"{name} ({hook})" for hook, name in mine or ()])
+        logged = _said(list(dict.fromkeys(name for _, name in mine or ())))
+        hooks = sorted({HOOKS.get(hook, hook) for hook, _ in mine or ()})
         return (
-            f"The ranks logged different values with sync_dist=True on a step: this rank "
-            f"logged {logged} since the last check, and another rank other names or another "
-            f"order." + fix
+            f"The ranks logged different values with sync_dist=True on a step in "
+            f"{' / '.join(hooks)}: this rank logged {logged} since the last check, and "
+            f"another rank other names, or the same in another order." + fix
         )
     lines = "; ".join(
-        f"rank {rank} {_said([name for _, name in logged])}" for rank, logged in enumerate(each)
+        f"rank {rank} {_said(list(dict.fromkeys(name for _, name in logged)))}"
+        for rank, logged in enumerate(each)
     )
-    hooks = sorted({hook for logged in each for hook, _ in logged})
+    hooks = sorted({HOOKS.get(hook, hook) for logged in each for hook, _ in logged})
     return (
         f"The ranks logged different values with sync_dist=True on a step in "
         f"{' / '.join(hooks) or 'a step'}, so their values were added into other names' "
