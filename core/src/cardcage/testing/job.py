@@ -6,8 +6,9 @@ every rank) runs the scenarios in order, each with fresh Trainers, and writes wh
 ``<out>/<scenario>-rank<R>.json``. Each rank builds its models from a seed of its own (rank 0
 from the plain loop's), so a backend must start every rank from rank 0's weights. A scenario
 named ``fail`` makes rank 1 raise at its second step; it runs alone, in an invocation of its
-own, and so do ``resize_save`` and ``resize_resume`` (jobs of two world sizes, one resuming
-the other's checkpoint). The own-loop scenarios (``cage_*``, :mod:`cardcage.testing.own_loop`)
+own, and so do ``metric_names`` (rank 1 validates under another metric name: refused), and
+``resize_save`` and ``resize_resume`` (jobs of two world sizes, one resuming the other's
+checkpoint). The own-loop scenarios (``cage_*``, :mod:`cardcage.testing.own_loop`)
 run after the others, all in one ``cardcage.Cage.launch``; their training processes write
 their results themselves.
 """
@@ -33,6 +34,7 @@ from cardcage.testing.models import (
     EachTurnsOutput,
     FailingModel,
     KitModel,
+    MetricNamesModel,
     RecordFitEnd,
     StopOnLastRank,
     TurnsModel,
@@ -270,6 +272,13 @@ def fail(job: Job) -> dict[str, Any]:
     return {"weights": flat(model)}
 
 
+def metric_names(job: Job) -> dict[str, Any]:
+    """Rank 1's validation_step returns another metric name than rank 0's: refused."""
+    model = MetricNamesModel("sgd")
+    _fit(job, model, job.train(), job.val(), max_epochs=1, num_sanity_val_steps=0)
+    return {"weights": flat(model)}
+
+
 SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
     "sgd": sgd,
     "adam_shuffled": adam_shuffled,
@@ -287,6 +296,7 @@ SCENARIOS: dict[str, Callable[[Job], dict[str, Any]]] = {
     "resize_save": resize_save,
     "resize_resume": resize_resume,
     "fail": fail,
+    "metric_names": metric_names,
 }
 #: How many times each scenario calls ``fit`` (``validate`` and ``test`` start no training).
 FITS = {name: 1 for name in SCENARIOS} | {

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import threading
+import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -288,6 +289,21 @@ class FailingModel(KitModel):
         if trainer is not None and trainer.accelerator.global_rank == 1 and batch_idx == 1:
             raise RuntimeError("injected failure on rank 1 at its second step")
         return super().training_step(batch, batch_idx)
+
+
+class MetricNamesModel(KitModel):
+    """Rank 1's validation_step returns its loss under another name (``zzz``) than the
+    other ranks' (``loss``): the ranks must refuse to reduce them together, naming both.
+    Traces when each rank reaches its first validation batch (event
+    ``metric_names_reached``, with the time)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().validation_step(batch, batch_idx)
+        trainer = current.trainer
+        rank = trainer.accelerator.global_rank if trainer is not None else 0
+        if batch_idx == 0:
+            record("metric_names_reached", rank=rank, at=time.time())
+        return {"zzz" if rank == 1 else "loss": loss}
 
 
 class RecordFitEnd(Callback):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -517,6 +518,40 @@ class TrainingChecks(SuiteBase):
             assert "injected failure on rank 1" in full, output.output
             if declared.command == "python":  # cardcage launched the workers: it names them
                 assert "RankFailedError: rank 1 " in output.output, output.output
+            harness.assert_no_leftovers()
+        finally:
+            harness.cleanup()
+
+    def test_different_metric_names_are_refused_by_name(self, launch: str, tmp_path: Path) -> None:
+        """Rank 1's validation_step returns ``zzz`` where rank 0's returns ``loss``: the job
+        fails with a MisconfigurationError naming both, within 30 s of the first validation
+        batch (before, rank 1's value was added into rank 0's ``val_loss``, or a rank waited
+        for the others until ``CARDCAGE_TIMEOUT``)."""
+        declared: Launch = self.launches[launch]
+        if declared.world_size < 2:
+            pytest.skip("one training process: no other rank to disagree with")
+        self.need_training()
+        self.skip_unsupported("metric_names")
+        harness = Harness(tmp_path)
+        try:
+            output = run_job(harness, declared, ["metric_names"], tmp_path / "out", self.batch_size)
+            ended = time.time()
+            assert output.returncode != 0, output.output
+            self.assert_backend_trained(output)
+            full = "".join(run.stdout + run.stderr for run in harness.runs)
+            for said in ("MisconfigurationError", "'val_loss (returned)'", "'val_zzz (returned)'"):
+                assert said in full, f"{said!r} not in the job's output\n{output.output}"
+            reached = [
+                e["at"]
+                for events in output.traces().values()
+                for e in events
+                if e["event"] == "metric_names_reached"
+            ]
+            assert reached, f"no rank reached validation\n{output.output}"
+            assert ended - min(reached) < 30, (
+                f"refused {ended - min(reached):.0f}s after the first validation batch, not "
+                "within 30 s"
+            )
             harness.assert_no_leftovers()
         finally:
             harness.cleanup()

@@ -37,6 +37,7 @@ from cardcage.config.model_contract import (
     weighted_sums,
 )
 from cardcage.errors import MisconfigurationError
+from cardcage.train import agreement
 from cardcage.train.losses import LOSS_CHUNK, Losses, stop_on_nan
 from cardcage.train.metrics import EVAL_BATCH, EVAL_EPOCH, TRAIN_BATCH, TRAIN_EPOCH
 
@@ -353,6 +354,11 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     batches = ahead if ahead is not None else loader
     if limit == 0:  # Lightning 1.0: limit_train_batches=0 runs no epoch (nor its hooks)
         max_epochs = 0
+    if accelerator.world_size > 1:  # a rank with more batches would wait in its extra steps
+        beat()  # here before the exchange: a rank still in its setup is the one named stuck
+        agreement.agree_train_batches(
+            accelerator, int(epoch_length) if epoch_length is not None else None
+        )
 
     _start(trainer, accelerator, val_loaders, beat)
     epoch = trainer.current_epoch
@@ -508,7 +514,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
                     "computes with self.log)."
                 )
         last_step = max(trainer.global_step - 1, 0)
-        logged = store.close_epoch()
+        logged = store.close_epoch("the training epoch (training_step, training_epoch_end)")
         if step_values:  # what the last steps logged since the last write
             logged = {**store.take_step_values(), **logged}
         if logged:
@@ -525,7 +531,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
         hooks("on_train_epoch_end", outputs)
         hooks("on_epoch_end")
         outputs = []
-        late = store.close_epoch()  # what those two hooks logged: this epoch's values
+        late = store.close_epoch("on_train_epoch_end / on_epoch_end")  # this epoch's values
         if late:
             write_metrics(trainer, {**late, "epoch": float(epoch)}, last_step)
         if epoch_done and epoch_schedulers:  # after validation: a monitor sees this epoch's
@@ -897,6 +903,26 @@ def evaluate_loaders(
     if several:
         blocks += [weighted_sums(part) for part in sizes]
     layout = [(b, key) for b, block in enumerate(blocks) for key in sorted(block)]
+    if accelerator.world_size > 1:  # what every rank is about to reduce: the same names
+        helds = [*logged, store.epoch_held()]  # each loader's self.log values, the epoch end's
+        names = [f"{key} (returned" + (f", loader {b - 1})" if b else ")") for b, key in layout]
+        if several:
+            names += [
+                f"{n} (logged, loader {i})"
+                for i, held in enumerate(logged)
+                for n in store.synced(held)
+            ]
+        names += store.synced(*helds)
+        runs = f"{stage} batches per loader: {[len(part) for part in sizes]}"
+        steps_ok, steps = store.steps_agreed()
+        agreement.agree(
+            accelerator,
+            f"{step_name} / {stage}_epoch_end",
+            names,
+            note=runs,
+            steps_ok=steps_ok,
+            steps=steps,
+        )
     exact = torch.float64 if accelerator.device.type in ("cpu", "cuda") else torch.float32
     local = torch.tensor(
         [part for b, key in layout for part in blocks[b][key]],
@@ -922,7 +948,7 @@ def evaluate_loaders(
         epoch_held = store.take_epoch()  # what the epoch-end hook logged
         for index, held in enumerate(logged):
             store.put_epoch(held)
-            means[index + 1].update(store.close_epoch())
+            means[index + 1].update(store.close_epoch(agreed=True))
         for held in logged:
             store.put_epoch(held)
         store.put_epoch(epoch_held)
@@ -930,12 +956,12 @@ def evaluate_loaders(
     else:
         store.put_epoch(logged[0] if logged else {})
         late_names = set()
-    reduced.update(store.close_epoch())
+    reduced.update(store.close_epoch(agreed=True))
     sanity_check = trainer.sanity_checking
     if not sanity_check:  # on_*_epoch_end sees this run's means
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in reduced.items()})
     hooks(f"{on}_epoch_end")
-    late = store.close_epoch()  # what on_*_epoch_end logged
+    late = store.close_epoch(f"on_{stage}_epoch_end")  # what on_*_epoch_end logged
     store.place = None
     if sanity_check:
         hooks(f"{on}_end")

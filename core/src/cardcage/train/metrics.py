@@ -18,6 +18,7 @@ import torch
 
 from cardcage.config.model_contract import batch_size as size_of_batch
 from cardcage.errors import MisconfigurationError
+from cardcage.train import agreement
 
 #: The hooks' logging defaults: ``(on_step, on_epoch)``.
 STEP_DEFAULTS = (True, False)
@@ -57,6 +58,15 @@ class MetricStore:
     _steps_sync: dict[str, bool] = field(default_factory=dict)
     reduce: Any = None  # the backend's reduce, set by the loop (several ranks)
     world_size: int = 1
+    #: The backend (several ranks): the ranks agree through it on what they reduce
+    #: (:mod:`cardcage.train.agreement`). ``None``: no agreement is checked.
+    strategy: Any = None
+    #: Each on-step sync_dist value's digest, by (place, name, device), made once.
+    _step_digests: dict[tuple[str, str, Any], torch.Tensor] = field(default_factory=dict)
+    #: The on-step sync_dist values logged since the last check, ``(place, name)``, and
+    #: whether any of their digests differed on another rank (a bool tensor, unread).
+    _step_logged: list[tuple[str, str]] = field(default_factory=list)
+    _step_bad: torch.Tensor | None = None
 
     def log(
         self,
@@ -108,7 +118,7 @@ class MetricStore:
         tensor = _scalar(name, value)
         if on_step:
             if sync_dist and self.world_size > 1:
-                tensor = self.reduce(tensor.float(), op="mean")
+                tensor = self._sync_step(place, name, tensor)
             key = f"{name}_step" if on_epoch else name
             self.callback_metrics[name] = tensor
             if on_epoch:
@@ -136,6 +146,42 @@ class MetricStore:
                 held.total = held.total + total
                 held.size = held.size + size
 
+    def _sync_step(self, place: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An on-step ``sync_dist`` value averaged over the ranks, in one collective that
+        also carries the digest of ``(place, name)``: whether every rank logged the same name
+        here is read later (:meth:`steps_agreed`), never in the step."""
+        world = self.world_size
+        value = tensor.float().reshape(1)
+        if self.strategy is None:
+            return self.reduce(value, op="mean").reshape(())  # type: ignore[no-any-return]
+        key = (place, name, value.device)
+        own = self._step_digests.get(key)
+        if own is None:
+            own = agreement.step_digest(place, name, world, value.device)
+            self._step_digests[key] = own
+        summed = self.reduce(torch.cat([value, own]), op="sum")
+        bad = agreement.step_mismatch(summed[1:], own, world)
+        held = self._step_bad
+        self._step_bad = bad if held is None else held.to(bad.device) | bad
+        self._step_logged.append((place, name))
+        return summed[0] / world  # type: ignore[no-any-return]
+
+    def steps_agreed(self) -> tuple[bool, list[tuple[str, str]]]:
+        """Whether the on-step ``sync_dist`` values since the last call agreed on every rank
+        (as this rank sees it), and their ``(place, name)``; the record starts afresh."""
+        bad, logged = self._step_bad, self._step_logged
+        self._step_bad, self._step_logged = None, []
+        return bad is None or not bool(bad), logged
+
+    def synced(self, *helds: dict[str, Any]) -> list[str]:
+        """The names that ``sync_dist`` reduces across ranks when ``helds`` (values
+        :meth:`take_epoch` took) are closed together, in the order they are packed."""
+        return sorted({k for held in helds for k, v in held.items() if v.sync_dist})
+
+    def epoch_held(self) -> dict[str, Any]:
+        """The epoch values held now (not taken out)."""
+        return self._epoch
+
     def take_epoch(self) -> dict[str, Any]:
         """The epoch values held since the last call (or close), taken out of the store:
         evaluation keeps each loader's apart (:meth:`put_epoch` adds them back)."""
@@ -152,18 +198,32 @@ class MetricStore:
                 mine.total, mine.size = mine.total + value.total, mine.size + value.size
 
     def take_step_values(self) -> dict[str, float]:
-        """The step values logged since the last call, read as floats (one sync)."""
+        """The step values logged since the last call, read as floats (one sync). Where an
+        on-step ``sync_dist`` value's name differed on another rank, this rank refuses, with
+        no collective: the other ranks may not be at this point (the launcher stops them)."""
+        if self._step_bad is not None:
+            agreed, logged = self.steps_agreed()
+            if not agreed:
+                agreement.raise_step_mismatch(logged)
         values = {k: float(v) for k, v in self.step_values.items()}
         self.step_values.clear()
         return values
 
-    def close_epoch(self) -> dict[str, float]:
+    def close_epoch(self, hook: str = "an epoch", agreed: bool = False) -> dict[str, float]:
         """The epoch means logged since the last call (across ranks for ``sync_dist``),
-        into ``callback_metrics``; returns those for the logger, as floats."""
+        into ``callback_metrics``; returns those for the logger, as floats.
+
+        With several ranks, every rank calls it at the same point, and first the ranks
+        agree on the ``sync_dist`` names (and the on-step checks since the last agreement)
+        in one small collective, naming ``hook`` if they differ; ``agreed``: the caller had
+        them agree already (:func:`~cardcage.train.agreement.agree`)."""
         held, self._epoch = self._epoch, {}
+        synced = self.synced(held)
+        if self.world_size > 1 and self.strategy is not None and not agreed:
+            steps_ok, steps = self.steps_agreed()
+            agreement.agree(self.strategy, hook, synced, steps_ok=steps_ok, steps=steps)
         if not held:
             return {}
-        synced = sorted(k for k, v in held.items() if v.sync_dist)
         if synced and self.world_size > 1:
             # every rank's sums, added up in one collective
             first = held[synced[0]].total

@@ -402,7 +402,9 @@ class Trainer:
     def start_metrics(self) -> None:
         """This process's metric store and hooks, once the backend placed the model."""
         accelerator = self.accelerator
-        self.metrics = MetricStore(reduce=accelerator.reduce, world_size=accelerator.world_size)
+        self.metrics = MetricStore(
+            reduce=accelerator.reduce, world_size=accelerator.world_size, strategy=accelerator
+        )
         self.hooks = Hooks(self, self.model, self.callbacks)
         # Only rank 0 writes the run's files: the other ranks' trainer.logger writes nothing
         # (a user's self.trainer.logger.experiment.add_image on every rank made one
@@ -699,7 +701,10 @@ class Trainer:
                 if strategy.precision.dtype is not None:
                     self.model.to(strategy.precision.dtype)
         self.metrics = MetricStore(
-            reduce=strategy.reduce, world_size=strategy.world_size, callback_metrics=kept
+            reduce=strategy.reduce,
+            world_size=strategy.world_size,
+            strategy=strategy,
+            callback_metrics=kept,
         )
         self.hooks = Hooks(self, self.model, self.callbacks)
         models = {id(m): m for m in (self.model, strategy.unwrapped_model(self))}.values()
