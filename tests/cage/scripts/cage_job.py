@@ -137,6 +137,37 @@ def accumulate(
             optimizer.zero_grad()
 
 
+#: Optimizer steps of the warm-up: the learning rate rises from 0 to the optimizer's.
+WARMUP_STEPS = 3
+
+
+def warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR warm-up from 0 (Accelerate's gradient_accumulation example's kind)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / WARMUP_STEPS))
+
+
+def train_scheduled(
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    batches: Any,
+    epochs: int,
+    backward: Callable[[torch.Tensor], None],
+) -> list[float]:
+    """:func:`train` with ``scheduler.step()`` after each optimizer step; returns the
+    learning rate each step ran with."""
+    rates = []
+    for _ in range(epochs):
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            backward(loss)
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+    return rates
+
+
 def weights(module: torch.nn.Module) -> list[float]:
     """Every tensor of the module's ``state_dict`` (in key order), whole and flattened (a
     sharded tensor of fsdp is gathered: every rank calls this)."""
@@ -184,6 +215,25 @@ def parity(cage: cardcage.Cage, out: str) -> dict[str, Any]:
         "restarts": cage.restarts,
         "is_sgd": isinstance(optimizer, torch.optim.SGD),
         "momentum": optimizer.param_groups[0]["momentum"],
+    }
+
+
+def scheduler(cage: cardcage.Cage, out: str) -> dict[str, Any]:
+    """A warm-up scheduler made before setup, over the optimizer passed to setup."""
+    model = make_model()
+    optimizer = sgd(model)
+    schedule = warmup(optimizer)  # before setup: it must drive the optimizer that steps
+    model, ready = cage.setup(model, optimizer)
+    batches = cage.setup_dataloaders(loader(GLOBAL_BATCH // cage.world_size))
+    rates = train_scheduled(model, ready, schedule, batches, EPOCHS, cage.backward)
+    inner = ready.__dict__.get("_optimizer", ready)
+    return {
+        "weights": weights(model),
+        "initial": weights(make_model()),
+        "rates": rates,
+        "same_optimizer": inner is optimizer,
+        "scheduler_holds_it": schedule.optimizer is inner,
+        "momentum": ready.param_groups[0]["momentum"],
     }
 
 
@@ -280,6 +330,7 @@ def resume(cage: cardcage.Cage, out: str) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[cardcage.Cage, str], dict[str, Any]]] = {
     "parity": parity,
+    "scheduler": scheduler,
     "collectives": collectives,
     "no_sync": no_sync,
     "resume": resume,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -109,7 +108,13 @@ class CageProcess:
         return [cage_optimizer(optimizer, self) for optimizer in ready]
 
     def rebuild(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``optimizer`` over the replaced parameters (same class, groups and settings)."""
+        """``optimizer`` itself, its groups re-bound in place to the replaced parameters.
+
+        The object stays the user's (class, groups, hyperparameters, hooks): a learning-rate
+        scheduler made over it before ``setup`` goes on driving the optimizer that steps.
+        Each group's list of parameters is changed in place, so an optimizer that keeps a
+        reference to it (LBFGS's ``_params``) sees the new ones too.
+        """
         if isinstance(optimizer, CageOptimizer):
             raise MisconfigurationError(
                 "cage.setup_optimizers: this optimizer was set up already. Set each one up once."
@@ -123,17 +128,10 @@ class CageProcess:
                 f"distributed_backend={self.cage.selection.accelerator!r} replaces the "
                 "parameters it holds. Set the model and optimizer up before training."
             )
-        groups = [
-            {**group, "params": [self.replaced.get(id(p), p) for p in group["params"]]}
-            for group in optimizer.param_groups
-        ]
-        # The groups carry every setting; the constructor takes those of its signature
-        # (an optimizer's defaults may hold more: AdamW's decoupled_weight_decay).
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        rebuilt = type(optimizer)(groups, **settings)
-        rebuilt.defaults.update(optimizer.defaults)
-        return rebuilt
+        for group in optimizer.param_groups:
+            group["params"][:] = [self.replaced.get(id(p), p) for p in group["params"]]
+        optimizer.state.clear()  # keyed by parameter: nothing of the old ones may stay
+        return optimizer
 
     def setup_loader(self, loader: Any) -> Any:
         strategy = self.strategy

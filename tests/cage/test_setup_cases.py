@@ -1,0 +1,63 @@
+"""What ``cage.setup`` and ``setup_dataloaders`` must keep of the user's objects, on two
+real processes of ``ddp_spawn`` and ``fsdp_spawn`` (``scripts/cage_job.py``'s sections):
+
+- ``scheduler``: a LambdaLR warm-up from 0 made before ``setup`` drives the optimizer that
+  steps (fsdp re-binds the user's optimizer to the shards in place, it does not build a
+  new one the scheduler would not know): the weights are a plain PyTorch loop's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from cage_helpers import max_difference, outputs, start
+
+from cardcage.testing.harness import Harness
+
+pytestmark = pytest.mark.slow
+
+SECTIONS = "scheduler"
+
+
+def job_of(*args: str) -> Any:
+    def scenario(harness: Harness) -> dict[str, Any]:
+        run, out = start(harness, *args)
+        run.check()
+        harness.assert_no_leftovers()
+        return outputs(out)
+
+    return scenario
+
+
+SCENARIOS = {
+    backend: job_of("--backend", backend, "--num-processes", "2", "--sections", SECTIONS)
+    for backend in ("ddp_spawn", "fsdp_spawn")
+}
+
+
+def plain_scheduled(job: Any) -> tuple[list[float], list[float]]:
+    """The plain loop's weights and learning rates: one process over the global batches."""
+    model = job.make_model()
+    optimizer = job.sgd(model)
+    schedule = job.warmup(optimizer)
+    batches = job.loader(job.GLOBAL_BATCH)
+    rates = job.train_scheduled(model, optimizer, schedule, batches, job.EPOCHS, job.plain_backward)
+    return job.weights(model), rates
+
+
+@pytest.mark.parametrize("scenario", ["ddp_spawn", "fsdp_spawn"])
+def test_a_scheduler_made_before_setup_drives_the_optimizer_that_steps(
+    scenarios: Any, scenario: str, job: Any
+) -> None:
+    reference, rates = plain_scheduled(job)
+    assert rates[0] == 0.0 and rates[-1] == pytest.approx(0.05)  # a warm-up from 0
+    ranks = [scenarios.result(scenario)[f"scheduler-rank{rank}"] for rank in range(2)]
+    for rank, result in enumerate(ranks):
+        assert result["same_optimizer"], "setup must keep the optimizer object the user holds"
+        assert result["scheduler_holds_it"]
+        assert result["momentum"] == 0.9
+        assert result["rates"] == pytest.approx(rates, abs=0, rel=1e-12), rank
+        assert max_difference(result["weights"], result["initial"]) > 1e-2, "it did not train"
+        assert max_difference(result["weights"], reference) <= 1e-5, rank
+    assert ranks[0]["weights"] == ranks[1]["weights"]
