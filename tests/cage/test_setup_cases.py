@@ -4,6 +4,9 @@ real processes of ``ddp_spawn`` and ``fsdp_spawn`` (``scripts/cage_job.py``'s se
 - ``scheduler``: a LambdaLR warm-up from 0 made before ``setup`` drives the optimizer that
   steps (fsdp re-binds the user's optimizer to the shards in place, it does not build a
   new one the scheduler would not know): the weights are a plain PyTorch loop's.
+- ``foreign``: ``cage.setup(model, optimizer)`` with an optimizer over another module's
+  parameters is refused, naming the optimizer and the fix (here and in one process on the
+  CPU), before any training.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from typing import Any
 import pytest
 from cage_helpers import max_difference, outputs, start
 
+import cardcage
 from cardcage.testing.harness import Harness
 
 pytestmark = pytest.mark.slow
 
-SECTIONS = "scheduler"
+SECTIONS = "scheduler,foreign"
 
 
 def job_of(*args: str) -> Any:
@@ -61,3 +65,36 @@ def test_a_scheduler_made_before_setup_drives_the_optimizer_that_steps(
         assert max_difference(result["weights"], result["initial"]) > 1e-2, "it did not train"
         assert max_difference(result["weights"], reference) <= 1e-5, rank
     assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+FOREIGN = (
+    "cage.setup: the SGD holds 4 parameter(s), none of them a parameter of the module set up "
+    "(Sequential): stepping it would never train the model. Pass the optimizer built over "
+    "this model's parameters: SGD(model.parameters(), ...) of the model you pass to cage.setup."
+)
+
+
+@pytest.mark.parametrize("scenario", ["ddp_spawn", "fsdp_spawn"])
+def test_an_optimizer_of_another_module_is_refused(scenarios: Any, scenario: str) -> None:
+    for rank in range(2):
+        found = scenarios.result(scenario)[f"foreign-rank{rank}"]
+        assert found == {"type": "MisconfigurationError", "message": FOREIGN}, rank
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_an_optimizer_of_another_module_is_refused_in_one_process(job: Any, split: bool) -> None:
+    cage = cardcage.Cage()
+    model, other = job.make_model(), job.make_model(1)
+    before = job.weights(model)
+    with pytest.raises(cardcage.MisconfigurationError) as raised:
+        if split:
+            cage.setup_module(model)
+            cage.setup_optimizers(job.sgd(other))
+        else:
+            cage.setup(model, job.sgd(other))
+    assert str(raised.value) == FOREIGN
+    assert job.weights(model) == before
+    # the optimizer of the model itself is taken, after the refusal too
+    mine = job.make_model()
+    ready = cardcage.Cage().setup(mine, job.sgd(mine))
+    assert len(ready) == 2

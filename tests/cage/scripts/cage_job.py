@@ -237,6 +237,16 @@ def scheduler(cage: cardcage.Cage, out: str) -> dict[str, Any]:
     }
 
 
+def foreign(cage: cardcage.Cage, out: str) -> dict[str, Any]:
+    """cage.setup(model, optimizer of another module): refused before any training."""
+    model, other = make_model(), make_model(1)
+    try:
+        cage.setup(model, sgd(other))
+    except cardcage.MisconfigurationError as error:
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None, "message": "no error"}
+
+
 def collectives(cage: cardcage.Cage, out: str) -> dict[str, Any]:
     rank = cage.global_rank
     mine = torch.tensor([rank + 1.0, 10.0 * (rank + 1)])
@@ -331,6 +341,7 @@ def resume(cage: cardcage.Cage, out: str) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[cardcage.Cage, str], dict[str, Any]]] = {
     "parity": parity,
     "scheduler": scheduler,
+    "foreign": foreign,
     "collectives": collectives,
     "no_sync": no_sync,
     "resume": resume,

@@ -46,6 +46,9 @@ class CageProcess:
         self.trained: list[torch.nn.Module] = []
         #: id of a parameter a backend replaced -> its replacement (fsdp's shards).
         self.replaced: dict[int, torch.nn.Parameter] = {}
+        #: The parameters of every module set up, as given and as trained (kept alive: no
+        #: other object takes their ids).
+        self.parameters: dict[int, torch.Tensor] = {}
         self.loaders = 0
         self.forwarded = False
         self.checked = False
@@ -76,6 +79,8 @@ class CageProcess:
         wrapped = self.strategy.setup_module(model)
         trained = trained_module(wrapped)
         after = dict(trained.named_parameters())
+        for parameter in (*before.values(), *after.values()):
+            self.parameters[id(parameter)] = parameter
         for name, parameter in before.items():
             new = after.get(name)
             if new is not None and new is not parameter:
@@ -99,6 +104,8 @@ class CageProcess:
                 "cage.setup_optimizers: no module was set up yet. Call cage.setup(model, "
                 "*optimizers), or setup_module(model) first."
             )
+        for optimizer in optimizers:
+            self.check_holds_a_set_up_parameter(optimizer)
         rebuilt = [self.rebuild(optimizer) for optimizer in optimizers]
         view = StateView(self.cage, torch.nn.ModuleList(self.trained), Optimization(rebuilt))
         self.strategy.setup_optimizers(view)  # type: ignore[arg-type]
@@ -106,6 +113,23 @@ class CageProcess:
         if self.plain_step:
             return ready
         return [cage_optimizer(optimizer, self) for optimizer in ready]
+
+    def check_holds_a_set_up_parameter(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that holds none of the set-up modules' parameters: stepping
+        it would never change the model, silently."""
+        inner = inner_optimizer(optimizer)
+        held = [p for group in inner.param_groups for p in group["params"]]
+        if any(id(p) in self.parameters for p in held):
+            return
+        kind = type(inner).__name__
+        given = [m for m in self.held if not isinstance(m, CageModule)]
+        modules = ", ".join(sorted({type(m).__name__ for m in given}))
+        raise MisconfigurationError(
+            f"cage.setup: the {kind} holds {len(held)} parameter(s), none of them a parameter "
+            f"of the module set up ({modules}): stepping it would never train the model. "
+            f"Pass the optimizer built over this model's parameters: "
+            f"{kind}(model.parameters(), ...) of the model you pass to cage.setup."
+        )
 
     def rebuild(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``optimizer`` itself, its groups re-bound in place to the replaced parameters.
