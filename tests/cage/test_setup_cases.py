@@ -7,6 +7,8 @@ real processes of ``ddp_spawn`` and ``fsdp_spawn`` (``scripts/cage_job.py``'s se
 - ``foreign``: ``cage.setup(model, optimizer)`` with an optimizer over another module's
   parameters is refused, naming the optimizer and the fix (here and in one process on the
   CPU), before any training.
+- ``sampler``: a loader with a ``SubsetRandomSampler`` of its own over 8 indices is sharded:
+  the 2 ranks see disjoint halves covering the 8, in a new order each epoch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from cardcage.testing.harness import Harness
 
 pytestmark = pytest.mark.slow
 
-SECTIONS = "scheduler,foreign"
+SECTIONS = "scheduler,foreign,sampler"
 
 
 def job_of(*args: str) -> Any:
@@ -98,3 +100,17 @@ def test_an_optimizer_of_another_module_is_refused_in_one_process(job: Any, spli
     mine = job.make_model()
     ready = cardcage.Cage().setup(mine, job.sgd(mine))
     assert len(ready) == 2
+
+
+@pytest.mark.parametrize("scenario", ["ddp_spawn", "fsdp_spawn"])
+def test_a_loader_with_its_own_sampler_is_sharded(scenarios: Any, scenario: str, job: Any) -> None:
+    ranks = [scenarios.result(scenario)[f"sampler-rank{rank}"] for rank in range(2)]
+    orders = []
+    for epoch in range(2):
+        first, second = (ranks[rank]["epochs"][epoch] for rank in range(2))
+        assert len(first) == len(second) == 4, (first, second)
+        assert not set(first) & set(second), epoch
+        assert sorted(first + second) == job.SUBSET, epoch
+        orders.append(first + second)
+    assert orders[0] != orders[1], "set_epoch must reach the sampler: a new order each epoch"
+    assert [rank["length"] for rank in ranks] == [2, 2]  # batches of 2 of each rank's 4

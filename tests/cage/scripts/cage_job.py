@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, SubsetRandomSampler, TensorDataset
 
 import cardcage
 
@@ -237,6 +237,20 @@ def scheduler(cage: cardcage.Cage, out: str) -> dict[str, Any]:
     }
 
 
+#: The indices of the ``sampler`` section's SubsetRandomSampler.
+SUBSET = [3, 7, 11, 19, 23, 31, 40, 55]
+
+
+def sampler(cage: cardcage.Cage, out: str) -> dict[str, Any]:
+    """A loader with a SubsetRandomSampler of its own: the indices each rank sees, by epoch."""
+    indices = TensorDataset(torch.arange(SAMPLES))
+    own = DataLoader(indices, batch_size=2, sampler=SubsetRandomSampler(SUBSET))
+    batches = cage.setup_dataloaders(own)
+    torch.manual_seed(cage.global_rank)  # ranks' random states apart: the draw must agree
+    epochs = [[int(i) for (batch,) in batches for i in batch] for _ in range(2)]
+    return {"epochs": epochs, "length": len(batches)}
+
+
 def foreign(cage: cardcage.Cage, out: str) -> dict[str, Any]:
     """cage.setup(model, optimizer of another module): refused before any training."""
     model, other = make_model(), make_model(1)
@@ -342,6 +356,7 @@ SECTIONS: dict[str, Callable[[cardcage.Cage, str], dict[str, Any]]] = {
     "parity": parity,
     "scheduler": scheduler,
     "foreign": foreign,
+    "sampler": sampler,
     "collectives": collectives,
     "no_sync": no_sync,
     "resume": resume,

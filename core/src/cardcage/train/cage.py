@@ -244,7 +244,8 @@ class Cage:
 
     def setup_dataloaders(self, *loaders: Any) -> Any:
         """Each loader sharded for this rank (a ``DistributedSampler`` keeping its settings,
-        unless ``replace_sampler_ddp=False``), reshuffled each time it is iterated, its
+        or a sampler of your own dealt out across the ranks by a ``ShardedSampler``, unless
+        ``replace_sampler_ddp=False``), reshuffled each time it is iterated, its
         batches moved to :attr:`device`; one loader, or a list."""
         if not loaders:
             raise MisconfigurationError("cage.setup_dataloaders(): pass the loaders to set up.")
