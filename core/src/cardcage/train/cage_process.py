@@ -22,6 +22,7 @@ from cardcage.backend.strategy.precision import Precision
 from cardcage.backend.strategy.step_runner import CALL, runner_in, trained_module
 from cardcage.backend.strategy.strategy import Strategy
 from cardcage.checkpoints import io as checkpoint
+from cardcage.checkpoints.validation import read_saved
 from cardcage.config.model_contract import Optimization
 from cardcage.errors import MisconfigurationError
 
@@ -307,10 +308,13 @@ class CageProcess:
         self.beat()
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise MisconfigurationError(f"cage.load: {os.fspath(path)!r} does not exist.") from None
+        where = f"cage.load: {os.fspath(path)!r}"
+        data = read_saved(path, where, "cage.save")
+        if not isinstance(data, dict):
+            raise MisconfigurationError(
+                f"{where} holds a {type(data).__name__}, not the dict that cage.save writes. "
+                "Give a file written by cage.save."
+            )
         groups, _ = self.split(state)
         consumed: set[str] = set()
         for trained, module_key, opt_keys in groups.values():
