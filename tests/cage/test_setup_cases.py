@@ -9,6 +9,8 @@ real processes of ``ddp_spawn`` and ``fsdp_spawn`` (``scripts/cage_job.py``'s se
   CPU), before any training.
 - ``sampler``: a loader with a ``SubsetRandomSampler`` of its own over 8 indices is sharded:
   the 2 ranks see disjoint halves covering the 8, in a new order each epoch.
+- ``bf16``: ``precision='bf16'`` under a spawn launch (``ddp_spawn``, ``fsdp_spawn``): the
+  spawned workers get the precision (it pickles) and forward in bfloat16.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cage_helpers import max_difference, outputs, start
+from cage_helpers import max_difference, outputs, plain_weights, start
 
 import cardcage
 from cardcage.testing.harness import Harness
@@ -40,6 +42,10 @@ SCENARIOS = {
     backend: job_of("--backend", backend, "--num-processes", "2", "--sections", SECTIONS)
     for backend in ("ddp_spawn", "fsdp_spawn")
 }
+for backend in ("ddp_spawn", "fsdp_spawn"):
+    SCENARIOS[f"{backend}-bf16"] = job_of(
+        "--backend", backend, "--num-processes", "2", "--sections", "bf16", "--precision", "bf16"
+    )
 
 
 def plain_scheduled(job: Any) -> tuple[list[float], list[float]]:
@@ -114,3 +120,15 @@ def test_a_loader_with_its_own_sampler_is_sharded(scenarios: Any, scenario: str,
         orders.append(first + second)
     assert orders[0] != orders[1], "set_epoch must reach the sampler: a new order each epoch"
     assert [rank["length"] for rank in ranks] == [2, 2]  # batches of 2 of each rank's 4
+
+
+@pytest.mark.parametrize("scenario", ["ddp_spawn-bf16", "fsdp_spawn-bf16"])
+def test_bf16_trains_in_spawned_workers(scenarios: Any, scenario: str, job: Any) -> None:
+    reference = plain_weights(job, job.sgd, job.EPOCHS)
+    initial = job.weights(job.make_model())
+    ranks = [scenarios.result(scenario)[f"bf16-rank{rank}"] for rank in range(2)]
+    for rank, result in enumerate(ranks):
+        assert result["dtypes"] == ["torch.bfloat16"], rank
+        assert max_difference(result["weights"], initial) > 1e-2, "it did not train"
+        assert max_difference(result["weights"], reference) <= 5e-2, rank  # bf16's rounding
+    assert ranks[0]["weights"] == ranks[1]["weights"]

@@ -251,6 +251,24 @@ def sampler(cage: cardcage.Cage, out: str) -> dict[str, Any]:
     return {"epochs": epochs, "length": len(batches)}
 
 
+def bf16(cage: cardcage.Cage, out: str) -> dict[str, Any]:
+    """Training at the Cage's precision (``--precision bf16``): the forward's dtype, the
+    weights after 2 epochs."""
+    model = make_model()
+    model, optimizer = cage.setup(model, sgd(model))
+    batches = cage.setup_dataloaders(loader(GLOBAL_BATCH // cage.world_size))
+    dtypes = set()
+    for _ in range(EPOCHS):
+        for x, y in batches:
+            optimizer.zero_grad()
+            with cage.autocast():
+                prediction = model(x)
+            dtypes.add(str(prediction.dtype))
+            cage.backward(torch.nn.functional.mse_loss(prediction.float(), y))
+            optimizer.step()
+    return {"weights": weights(model), "dtypes": sorted(dtypes)}
+
+
 def foreign(cage: cardcage.Cage, out: str) -> dict[str, Any]:
     """cage.setup(model, optimizer of another module): refused before any training."""
     model, other = make_model(), make_model(1)
@@ -357,6 +375,7 @@ SECTIONS: dict[str, Callable[[cardcage.Cage, str], dict[str, Any]]] = {
     "scheduler": scheduler,
     "foreign": foreign,
     "sampler": sampler,
+    "bf16": bf16,
     "collectives": collectives,
     "no_sync": no_sync,
     "resume": resume,
@@ -467,8 +486,10 @@ def main() -> int:
     parser.add_argument("--backend")
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--precision", default="32")
     options = parser.parse_args()
-    flags: dict[str, Any] = {"max_restarts": options.max_restarts}
+    precision = int(options.precision) if options.precision.isdigit() else options.precision
+    flags: dict[str, Any] = {"max_restarts": options.max_restarts, "precision": precision}
     if options.backend is not None:
         flags.update(distributed_backend=options.backend, num_processes=options.num_processes)
     cage = cardcage.Cage(**flags)
