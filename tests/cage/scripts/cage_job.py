@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, SubsetRandomSampler, TensorDataset
 
 import cardcage
 
@@ -137,6 +137,37 @@ def accumulate(
             optimizer.zero_grad()
 
 
+#: Optimizer steps of the warm-up: the learning rate rises from 0 to the optimizer's.
+WARMUP_STEPS = 3
+
+
+def warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR warm-up from 0 (Accelerate's gradient_accumulation example's kind)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / WARMUP_STEPS))
+
+
+def train_scheduled(
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    batches: Any,
+    epochs: int,
+    backward: Callable[[torch.Tensor], None],
+) -> list[float]:
+    """:func:`train` with ``scheduler.step()`` after each optimizer step; returns the
+    learning rate each step ran with."""
+    rates = []
+    for _ in range(epochs):
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            backward(loss)
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+    return rates
+
+
 def weights(module: torch.nn.Module) -> list[float]:
     """Every tensor of the module's ``state_dict`` (in key order), whole and flattened (a
     sharded tensor of fsdp is gathered: every rank calls this)."""
@@ -185,6 +216,67 @@ def parity(cage: cardcage.Cage, out: str) -> dict[str, Any]:
         "is_sgd": isinstance(optimizer, torch.optim.SGD),
         "momentum": optimizer.param_groups[0]["momentum"],
     }
+
+
+def scheduler(cage: cardcage.Cage, out: str) -> dict[str, Any]:
+    """A warm-up scheduler made before setup, over the optimizer passed to setup."""
+    model = make_model()
+    optimizer = sgd(model)
+    schedule = warmup(optimizer)  # before setup: it must drive the optimizer that steps
+    model, ready = cage.setup(model, optimizer)
+    batches = cage.setup_dataloaders(loader(GLOBAL_BATCH // cage.world_size))
+    rates = train_scheduled(model, ready, schedule, batches, EPOCHS, cage.backward)
+    inner = ready.__dict__.get("_optimizer", ready)
+    return {
+        "weights": weights(model),
+        "initial": weights(make_model()),
+        "rates": rates,
+        "same_optimizer": inner is optimizer,
+        "scheduler_holds_it": schedule.optimizer is inner,
+        "momentum": ready.param_groups[0]["momentum"],
+    }
+
+
+#: The indices of the ``sampler`` section's SubsetRandomSampler.
+SUBSET = [3, 7, 11, 19, 23, 31, 40, 55]
+
+
+def sampler(cage: cardcage.Cage, out: str) -> dict[str, Any]:
+    """A loader with a SubsetRandomSampler of its own: the indices each rank sees, by epoch."""
+    indices = TensorDataset(torch.arange(SAMPLES))
+    own = DataLoader(indices, batch_size=2, sampler=SubsetRandomSampler(SUBSET))
+    batches = cage.setup_dataloaders(own)
+    torch.manual_seed(cage.global_rank)  # ranks' random states apart: the draw must agree
+    epochs = [[int(i) for (batch,) in batches for i in batch] for _ in range(2)]
+    return {"epochs": epochs, "length": len(batches)}
+
+
+def bf16(cage: cardcage.Cage, out: str) -> dict[str, Any]:
+    """Training at the Cage's precision (``--precision bf16``): the forward's dtype, the
+    weights after 2 epochs."""
+    model = make_model()
+    model, optimizer = cage.setup(model, sgd(model))
+    batches = cage.setup_dataloaders(loader(GLOBAL_BATCH // cage.world_size))
+    dtypes = set()
+    for _ in range(EPOCHS):
+        for x, y in batches:
+            optimizer.zero_grad()
+            with cage.autocast():
+                prediction = model(x)
+            dtypes.add(str(prediction.dtype))
+            cage.backward(torch.nn.functional.mse_loss(prediction.float(), y))
+            optimizer.step()
+    return {"weights": weights(model), "dtypes": sorted(dtypes)}
+
+
+def foreign(cage: cardcage.Cage, out: str) -> dict[str, Any]:
+    """cage.setup(model, optimizer of another module): refused before any training."""
+    model, other = make_model(), make_model(1)
+    try:
+        cage.setup(model, sgd(other))
+    except cardcage.MisconfigurationError as error:
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None, "message": "no error"}
 
 
 def collectives(cage: cardcage.Cage, out: str) -> dict[str, Any]:
@@ -280,6 +372,10 @@ def resume(cage: cardcage.Cage, out: str) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[cardcage.Cage, str], dict[str, Any]]] = {
     "parity": parity,
+    "scheduler": scheduler,
+    "foreign": foreign,
+    "sampler": sampler,
+    "bf16": bf16,
     "collectives": collectives,
     "no_sync": no_sync,
     "resume": resume,
@@ -390,8 +486,10 @@ def main() -> int:
     parser.add_argument("--backend")
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--precision", default="32")
     options = parser.parse_args()
-    flags: dict[str, Any] = {"max_restarts": options.max_restarts}
+    precision = int(options.precision) if options.precision.isdigit() else options.precision
+    flags: dict[str, Any] = {"max_restarts": options.max_restarts, "precision": precision}
     if options.backend is not None:
         flags.update(distributed_backend=options.backend, num_processes=options.num_processes)
     cage = cardcage.Cage(**flags)

@@ -141,7 +141,7 @@ class ShardedAccelerator(DistributedAccelerator):
     def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """DistributedAccelerator's placement and precision, then :meth:`wrap`, which
         shards a copy of ``model``: the copy trains (the Trainer's ``configure_optimizers``
-        sees its parameters; a Cage rebuilds optimizers over them)."""
+        sees its parameters; a Cage re-binds optimizers to them)."""
         self.user_model = model
         return super().setup_module(model)
 

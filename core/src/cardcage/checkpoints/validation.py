@@ -30,6 +30,8 @@ from cardcage.errors import MisconfigurationError
 FORMAT = "cardcage-checkpoint/1"
 
 FLAG = "resume_from_checkpoint"
+#: Who writes what the Trainer reads back (named in the fixes of its refusals).
+TRAINER = "trainer.save_checkpoint"
 #: What :func:`cardcage.train.resume.restore` and the loop read from a checkpoint besides the model.
 LOOP_KEYS = ("optimizers", "schedulers", "scaler", "epoch", "global_step", "batch_idx", "rng")
 #: The class name of each optimizer whose state ``"optimizers"`` holds (``trainer.loop_state()``
@@ -123,19 +125,29 @@ def read(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, A
     return loaded
 
 
+def read_saved(
+    path: str | os.PathLike[str], where: str, writer: str, map_location: Any = "cpu"
+) -> Any:
+    """What ``path`` holds, read with ``weights_only=True``; every failure (missing, a
+    folder, empty, truncated, an object weights_only refuses) a MisconfigurationError that
+    starts with ``where``, says what is not allowed and asks for a file written by
+    ``writer`` (``"cage.save"``): never a suggestion to load with ``weights_only=False``."""
+    return _read(path, where, map_location, writer)
+
+
 def _stamp_of(name: str, where: str) -> tuple[int, ...]:
     info = _stat(name, where)
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
-def _stat(path: str | os.PathLike[str], where: str) -> os.stat_result:
+def _stat(path: str | os.PathLike[str], where: str, writer: str = TRAINER) -> os.stat_result:
     """``os.stat(path)``; a missing or unreadable file is a MisconfigurationError."""
     try:
         return os.stat(path)
     except FileNotFoundError:
+        start = ", or None to start afresh" if writer == TRAINER else ""
         raise MisconfigurationError(
-            f"{where} does not exist. Give the path of a checkpoint written by "
-            "trainer.save_checkpoint, or None to start afresh."
+            f"{where} does not exist. Give the path of a checkpoint written by {writer}{start}."
         ) from None
     except OSError as error:
         raise MisconfigurationError(f"{where} cannot be read: {_reason(error)}.") from None
@@ -346,15 +358,19 @@ def _other_optimizer(
     )
 
 
-def _read(path: str | os.PathLike[str], where: str, map_location: Any) -> Any:
+def _read(
+    path: str | os.PathLike[str], where: str, map_location: Any, writer: str = TRAINER
+) -> Any:
     """``torch.load(path, weights_only=True)``, every failure a MisconfigurationError."""
-    size = _stat(path, where).st_size
+    size = _stat(path, where, writer).st_size
     if os.path.isdir(path):
+        if writer != TRAINER:
+            raise MisconfigurationError(f"{where} is a folder. Give a file written by {writer}.")
         raise MisconfigurationError(_folder_refused(where, None))
     if size == 0:
         raise MisconfigurationError(
             f"{where} is empty (0 bytes): was its writing interrupted? Give a complete "
-            "checkpoint written by trainer.save_checkpoint."
+            f"checkpoint written by {writer}."
         )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
@@ -364,16 +380,16 @@ def _read(path: str | os.PathLike[str], where: str, map_location: Any) -> Any:
         # pickle), rather than an object it refused.
         if "weights only load failed" not in said.lower() or "Unsupported operand" in said:
             reason = _weights_only_reason(error)
-            raise MisconfigurationError(_truncated(where, size, reason)) from None
-        raise MisconfigurationError(_refused(where, said)) from None
+            raise MisconfigurationError(_truncated(where, size, reason, writer)) from None
+        raise MisconfigurationError(_refused(where, said, writer)) from None
     except MemoryError:
         raise
     except OSError as error:
         if error.errno not in (errno.EINVAL, None):  # EINVAL: a seek past a truncated end
             raise MisconfigurationError(f"{where} cannot be read: {_reason(error)}.") from None
-        raise MisconfigurationError(_truncated(where, size, error)) from None
+        raise MisconfigurationError(_truncated(where, size, error, writer)) from None
     except Exception as error:  # EOFError, IndexError, KeyError, RuntimeError of the reader
-        raise MisconfigurationError(_truncated(where, size, error)) from None
+        raise MisconfigurationError(_truncated(where, size, error, writer)) from None
 
 
 def _check_format(payload: Any, where: str) -> None:
@@ -413,8 +429,10 @@ def _folder_refused(where: str, backend: str | None) -> str:
     )
 
 
-def _refused(where: str, said: str) -> str:
-    found = re.search(r"GLOBAL (\S+) was not an allowed global", said)
+def _refused(where: str, said: str, writer: str = TRAINER) -> str:
+    found = re.search(r"GLOBAL (\S+) was not an allowed global", said) or re.search(
+        r"unsupported GLOBAL (\S+) whose module", said
+    )
     if found:
         holds = f"it holds an object of {found.group(1)}, not only tensors and plain containers"
     else:
@@ -426,7 +444,7 @@ def _refused(where: str, said: str) -> str:
     return (
         f"{where} was refused by torch.load(weights_only=True): {holds}. Loading such a file "
         "can run any code it names, and cardcage never loads one. Give a checkpoint written "
-        "by trainer.save_checkpoint (tensors, numbers, strings, lists and dicts only)."
+        f"by {writer} (tensors, numbers, strings, lists and dicts only)."
     )
 
 
@@ -436,10 +454,10 @@ def _weights_only_reason(error: pickle.UnpicklingError) -> BaseException:
     return pickle.UnpicklingError(detail.group(1).strip()) if detail else error
 
 
-def _truncated(where: str, size: int, error: BaseException) -> str:
+def _truncated(where: str, size: int, error: BaseException, writer: str = TRAINER) -> str:
     return (
         f"{where} is truncated or not a torch file ({size} bytes; torch.load said: "
-        f"{_said(error)}). Give a complete checkpoint written by trainer.save_checkpoint."
+        f"{_said(error)}). Give a complete checkpoint written by {writer}."
     )
 
 

@@ -231,14 +231,15 @@ class Cage:
         the module to call: ``model`` itself where the backend adds nothing to it, else a
         module whose call runs it through the backend and whose ``state_dict`` is
         ``model``'s own. Optimizers created before it still work: pass them to
-        :meth:`setup_optimizers` (a backend that replaces the parameters gets them rebuilt).
+        :meth:`setup_optimizers` (a backend that replaces the parameters gets them re-bound
+        to the new ones in place, so schedulers made over them keep working).
         """
         return self._here.setup_module(model)
 
     def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
         """The optimizers to step from here on (one, or a tuple): over the parameters of
-        the modules set up (rebuilt, keeping class, groups and settings, where the backend
-        replaced them), adapted by the backend, stepping through it."""
+        the modules set up (your own objects, re-bound in place where the backend replaced
+        the parameters), adapted by the backend, stepping through it."""
         if not optimizers:
             raise MisconfigurationError("cage.setup_optimizers(): pass the optimizers to set up.")
         ready = self._here.setup_optimizers(optimizers)
@@ -246,7 +247,8 @@ class Cage:
 
     def setup_dataloaders(self, *loaders: Any) -> Any:
         """Each loader sharded for this rank (a ``DistributedSampler`` keeping its settings,
-        unless ``replace_sampler_ddp=False``), reshuffled each time it is iterated, its
+        or a sampler of your own dealt out across the ranks by a ``ShardedSampler``, unless
+        ``replace_sampler_ddp=False``), reshuffled each time it is iterated, its
         batches moved to :attr:`device`; one loader, or a list."""
         if not loaders:
             raise MisconfigurationError("cage.setup_dataloaders(): pass the loaders to set up.")

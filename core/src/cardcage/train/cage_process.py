@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from cardcage.backend.strategy.precision import Precision
 from cardcage.backend.strategy.step_runner import CALL, runner_in, trained_module
 from cardcage.backend.strategy.strategy import Strategy
 from cardcage.checkpoints import io as checkpoint
+from cardcage.checkpoints.validation import read_saved
 from cardcage.config.model_contract import Optimization
 from cardcage.errors import MisconfigurationError
 
@@ -47,6 +47,9 @@ class CageProcess:
         self.trained: list[torch.nn.Module] = []
         #: id of a parameter a backend replaced -> its replacement (fsdp's shards).
         self.replaced: dict[int, torch.nn.Parameter] = {}
+        #: The parameters of every module set up, as given and as trained (kept alive: no
+        #: other object takes their ids).
+        self.parameters: dict[int, torch.Tensor] = {}
         self.loaders = 0
         self.forwarded = False
         self.checked = False
@@ -77,6 +80,8 @@ class CageProcess:
         wrapped = self.strategy.setup_module(model)
         trained = trained_module(wrapped)
         after = dict(trained.named_parameters())
+        for parameter in (*before.values(), *after.values()):
+            self.parameters[id(parameter)] = parameter
         for name, parameter in before.items():
             new = after.get(name)
             if new is not None and new is not parameter:
@@ -106,6 +111,8 @@ class CageProcess:
                 "cage.setup_optimizers: no module was set up yet. Call cage.setup(model, "
                 "*optimizers), or setup_module(model) first."
             )
+        for optimizer in optimizers:
+            self.check_holds_a_set_up_parameter(optimizer)
         rebuilt = [self.rebuild(optimizer) for optimizer in optimizers]
         view = StateView(self.cage, torch.nn.ModuleList(self.trained), Optimization(rebuilt))
         self.strategy.setup_optimizers(view)  # type: ignore[arg-type]
@@ -114,8 +121,31 @@ class CageProcess:
             return ready
         return [cage_optimizer(optimizer, self) for optimizer in ready]
 
+    def check_holds_a_set_up_parameter(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that holds none of the set-up modules' parameters: stepping
+        it would never change the model, silently."""
+        inner = inner_optimizer(optimizer)
+        held = [p for group in inner.param_groups for p in group["params"]]
+        if any(id(p) in self.parameters for p in held):
+            return
+        kind = type(inner).__name__
+        given = [m for m in self.held if not isinstance(m, CageModule)]
+        modules = ", ".join(sorted({type(m).__name__ for m in given}))
+        raise MisconfigurationError(
+            f"cage.setup: the {kind} holds {len(held)} parameter(s), none of them a parameter "
+            f"of the module set up ({modules}): stepping it would never train the model. "
+            f"Pass the optimizer built over this model's parameters: "
+            f"{kind}(model.parameters(), ...) of the model you pass to cage.setup."
+        )
+
     def rebuild(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``optimizer`` over the replaced parameters (same class, groups and settings)."""
+        """``optimizer`` itself, its groups re-bound in place to the replaced parameters.
+
+        The object stays the user's (class, groups, hyperparameters, hooks): a learning-rate
+        scheduler made over it before ``setup`` goes on driving the optimizer that steps.
+        Each group's list of parameters is changed in place, so an optimizer that keeps a
+        reference to it (LBFGS's ``_params``) sees the new ones too.
+        """
         if isinstance(optimizer, CageOptimizer):
             raise MisconfigurationError(
                 "cage.setup_optimizers: this optimizer was set up already. Set each one up once."
@@ -129,17 +159,10 @@ class CageProcess:
                 f"distributed_backend={self.cage.selection.accelerator!r} replaces the "
                 "parameters it holds. Set the model and optimizer up before training."
             )
-        groups = [
-            {**group, "params": [self.replaced.get(id(p), p) for p in group["params"]]}
-            for group in optimizer.param_groups
-        ]
-        # The groups carry every setting; the constructor takes those of its signature
-        # (an optimizer's defaults may hold more: AdamW's decoupled_weight_decay).
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        rebuilt = type(optimizer)(groups, **settings)
-        rebuilt.defaults.update(optimizer.defaults)
-        return rebuilt
+        for group in optimizer.param_groups:
+            group["params"][:] = [self.replaced.get(id(p), p) for p in group["params"]]
+        optimizer.state.clear()  # keyed by parameter: nothing of the old ones may stay
+        return optimizer
 
     def setup_loader(self, loader: Any) -> Any:
         strategy = self.strategy
@@ -291,10 +314,13 @@ class CageProcess:
         self.beat()
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise MisconfigurationError(f"cage.load: {os.fspath(path)!r} does not exist.") from None
+        where = f"cage.load: {os.fspath(path)!r}"
+        data = read_saved(path, where, "cage.save")
+        if not isinstance(data, dict):
+            raise MisconfigurationError(
+                f"{where} holds a {type(data).__name__}, not the dict that cage.save writes. "
+                "Give a file written by cage.save."
+            )
         groups, _ = self.split(state)
         consumed: set[str] = set()
         for trained, module_key, opt_keys in groups.values():

@@ -19,8 +19,10 @@ Where it runs is where evaluation (``trainer.validate``/``test``) runs:
   is refused with the fix. A loader with ``drop_last=True`` is predicted whole and its last
   short batch dropped afterwards, as one process drops it.
 
-A loader the backend does not shard (``replace_sampler_ddp=False``, a sampler or batch
-sampler of the user's own, an iterable that is not a ``DataLoader``) is predicted by every
+A loader with a sampler of the user's own is sharded too (its indices dealt out by a
+``ShardedSampler``, a ``DistributedSampler``). A loader the backend does not shard
+(``replace_sampler_ddp=False``, a batch sampler of the user's own, a sampler without a
+length, an iterable that is not a ``DataLoader``) is predicted by every
 rank as it is, and each rank returns its own predictions: no data leaves the rank. A
 ``DistributedSampler`` of the user's own over this job's ranks counts as sharded.
 
