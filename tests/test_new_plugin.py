@@ -119,7 +119,7 @@ def test_its_own_tests_pass_unchanged_the_conformance_kit_included(acme: Generat
     output = own_tests(acme)
     # 6 of its own, and the kit's (one launch, in this process: no failing rank to stop; no
     # sharded optimizer state or resume at another world size declared).
-    assert "35 passed, 4 skipped" in output, output
+    assert "37 passed, 5 skipped" in output, output
 
 
 def test_the_distributed_template_is_listed_selected_and_passes_the_kit(
@@ -134,7 +134,7 @@ def test_the_distributed_template_is_listed_selected_and_passes_the_kit(
     # 4 of its own and the kit's, with two processes started by script relaunch; the only
     # skips are the checks of what it does not declare (sharded optimizer state, resuming
     # at another world size).
-    assert "35 passed, 2 skipped" in output, output
+    assert "38 passed, 2 skipped" in output, output
     assert "no other rank to stop" not in output, output
 
 
