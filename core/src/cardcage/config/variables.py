@@ -75,6 +75,9 @@ INTERNAL: tuple[str, ...] = (
     "CARDCAGE_HOSTED_STORE",
     # the folder of the ranks' progress counts (cardcage.backend.launch.watchdog)
     "CARDCAGE_HEARTBEAT",
+    # the pid of the training process whose rank variables these are
+    # (cardcage.environments.inherited)
+    "CARDCAGE_RANK_PID",
     "CARDCAGE_RUN_ID",  # the fit a started process belongs to (cardcage.backend.launch.restarts)
     "CARDCAGE_RESTARTS",  # the restart a started process is on (cardcage.backend.launch.restarts)
     "CARDCAGE_SUBMIT_RUN",  # the run a job submitted by cardcage-submit belongs to

@@ -26,6 +26,7 @@ from cardcage.backend.accelerator import Accelerator
 from cardcage.backend.selection_types import Selection, SelectionContext
 from cardcage.config.flags import check_sync_batchnorm, gpus_override, validate_flags
 from cardcage.config.variables import check_variables
+from cardcage.environments import inherited
 from cardcage.environments.base import ClusterEnvironment
 from cardcage.environments.builtin import LocalEnvironment, detect_cluster
 from cardcage.errors import MisconfigurationError
@@ -56,7 +57,9 @@ def select(
     Raises:
         MisconfigurationError: an invalid flag, environment or combination.
     """
-    environ: Mapping[str, str] = os.environ if env is None else env
+    # A child of a training process (started from a callback) inherits its rank variables:
+    # they are the rank's, not this process's, which is a plain local one.
+    environ = inherited.effective(os.environ if env is None else env)
     checked = validate_flags(**flags)
     check_variables(environ)  # every CARDCAGE_* value but CARDCAGE_GPUS (read below)
     registry = plugins.registry(environ)

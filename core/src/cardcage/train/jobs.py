@@ -16,6 +16,7 @@ import torch
 
 from cardcage import devices
 from cardcage.backend.launch import rendezvous
+from cardcage.environments import inherited
 from cardcage.selection.engine import probe_pending_gpus
 
 if TYPE_CHECKING:
@@ -42,7 +43,10 @@ def prepare_launch(selection: Selection, accelerator: Accelerator) -> Selection:
 
 def apply_process_flags(flags: Flags) -> None:
     """``benchmark`` and ``deterministic`` in a training process (the caller's own settings
-    come back when its fit or launch returns: :mod:`cardcage.train.process_state`)."""
+    come back when its fit or launch returns: :mod:`cardcage.train.process_state`), and
+    ``CARDCAGE_RANK_PID``: the rank variables of this process are its own, not those of a
+    subprocess it starts (:mod:`cardcage.environments.inherited`)."""
+    inherited.mark()
     if flags.benchmark:
         torch.backends.cudnn.benchmark = True
     if flags.deterministic:

@@ -23,6 +23,7 @@ from cardcage.backend.launch.rendezvous import (
 )
 from cardcage.backend.launch.supervisor import Child, Supervisor, set_parent_death_signal
 from cardcage.backend.launch.watchdog import HEARTBEAT, Watch
+from cardcage.environments import inherited
 from cardcage.errors import MisconfigurationError
 
 log = logging.getLogger("cardcage")
@@ -127,7 +128,7 @@ def relaunch_script(
     children = []
     for local_rank in range(1, processes_per_node):
         child_env = {
-            **env,
+            **inherited.for_child(dict(env)),  # the child marks itself a rank
             "LOCAL_RANK": str(local_rank),
             "RANK": str(base_rank + local_rank),
             ERROR_FILE: str(errors / f"rank-{base_rank + local_rank}.txt"),

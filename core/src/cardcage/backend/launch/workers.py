@@ -52,6 +52,7 @@ from cardcage.backend.launch.supervisor import (
 )
 from cardcage.backend.launch.watchdog import HEARTBEAT, Watch
 from cardcage.checkpoints.io import set_rng_state
+from cardcage.environments import inherited
 from cardcage.errors import MisconfigurationError, RankFailedError
 
 if TYPE_CHECKING:
@@ -401,6 +402,7 @@ def _spawned(rank_env: dict[str, str], job: str, folder: str) -> NoReturn:
     """A spawned worker: its rank variables, death with the launcher, training, exit."""
     set_parent_death_signal()
     os.environ.update(rank_env)
+    inherited.mark()  # these rank variables are this process's (not the launcher's child's)
     try:
         run_worker(Path(job).read_bytes(), folder)
     except BaseException as error:
