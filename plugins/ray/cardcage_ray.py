@@ -30,6 +30,7 @@ import torch
 
 from cardcage.sdk import (
     HEARTBEAT,
+    HOSTED_STORE,
     Accelerator,
     Availability,
     DistributedAccelerator,
@@ -44,7 +45,9 @@ from cardcage.sdk import (
     WorkerLauncher,
     distributed_availability,
     hookimpl,
+    host_store,
     init_timeout,
+    release_store,
     run_worker,
 )
 
@@ -135,11 +138,11 @@ class Rank:
         ray = _ray()
         return ray.util.get_node_ip_address(), _machine(), os.getpid()
 
-    def free_port(self) -> int:
-        """A free port on this node, for the process group's store (rank 0 hosts it)."""
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return int(sock.getsockname()[1])
+    def host_store(self, world_size: int, address: str) -> int:
+        """Host the process group's store in this actor (global rank 0's), listening on
+        ``address`` alone (loopback for a job of one node, the node's address otherwise; a
+        port picked by ``bind`` on every interface let the whole network in): its port."""
+        return int(host_store(world_size, address).port)
 
     def train(
         self, payload: bytes, env: dict[str, str], path: list[str], cwd: str, folder: str
@@ -175,9 +178,17 @@ class Rank:
 
                 if dist.is_initialized():
                     dist.destroy_process_group()
+            release_store()
 
 
 # -- the launcher ---------------------------------------------------------------------------
+
+
+def store_address(num_nodes: int, master: str) -> str:
+    """Where rank 0's store listens (and the ranks dial): loopback for a job of one node
+    (every rank is on rank 0's node), else the address of rank 0's node. Never every
+    interface."""
+    return "127.0.0.1" if num_nodes == 1 else master
 
 
 @dataclass
@@ -234,8 +245,10 @@ class RayLauncher(WorkerLauncher):
             places = ray.get([a.handle.place.remote() for a in actors], timeout=init_timeout())
             for actor, (address, machine, pid) in zip(actors, places, strict=True):
                 actor.address, actor.machine, actor.pid = address, machine, pid
-            port = ray.get(actors[0].handle.free_port.remote(), timeout=init_timeout())
-            self._run(ray, actors, payload, folder, port, nprocs)
+            address = store_address(num_nodes, actors[0].address)
+            hosting = actors[0].handle.host_store.remote(world, address)
+            port = ray.get(hosting, timeout=init_timeout())
+            self._run(ray, actors, payload, folder, address, port, nprocs)
         finally:
             for actor in actors:
                 with contextlib.suppress(Exception):
@@ -258,10 +271,16 @@ class RayLauncher(WorkerLauncher):
             ) from None
 
     def _run(
-        self, ray: Any, actors: list[Actor], payload: bytes, folder: Path, port: int, nprocs: int
+        self,
+        ray: Any,
+        actors: list[Actor],
+        payload: bytes,
+        folder: Path,
+        address: str,
+        port: int,
+        nprocs: int,
     ) -> None:
         world = len(actors)
-        master = actors[0]
         here = _machine()
         # The watcher reads a file the ranks map: possible where every rank runs on this
         # machine. Elsewhere the process group's own timeout ends a stuck job.
@@ -272,8 +291,9 @@ class RayLauncher(WorkerLauncher):
         futures = {}
         for actor in actors:
             env = {
-                "MASTER_ADDR": master.address,
+                "MASTER_ADDR": address,
                 "MASTER_PORT": str(port),
+                HOSTED_STORE: "1",  # rank 0's actor hosts it; the others dial it
                 "WORLD_SIZE": str(world),
                 "RANK": str(actor.rank),
                 "LOCAL_RANK": str(actor.rank % nprocs),

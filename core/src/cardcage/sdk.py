@@ -40,7 +40,10 @@ Process creation
     workers start), :class:`SpawnLauncher`, :func:`run_worker`, :func:`run_started_worker`,
     :func:`leave`, :func:`fail`, :func:`pickle_job`, :func:`modules_by_value`,
     :func:`init_timeout`, :func:`first_recorded`; :class:`Watch` and :data:`HEARTBEAT`
-    (the stuck-rank watcher, for a launcher that waits on its workers its own way: Ray's).
+    (the stuck-rank watcher, for a launcher that waits on its workers its own way: Ray's);
+    :func:`host_store`, :func:`release_store` and :data:`HOSTED_STORE` (the rendezvous
+    store hosted in one process on one address only, which the ranks dial when
+    ``CARDCAGE_HOSTED_STORE=1``: a rank that hosts it itself, as Ray's rank 0).
 Checkpoints
     :func:`save_checkpoint_file` (atomic ``torch.save``; a failed write raises
     ``cardcage.CheckpointError``), :func:`load_checkpoint_file` (``weights_only=True``, checks
@@ -91,6 +94,7 @@ from cardcage.backend.engines import (
 )
 from cardcage.backend.launch.error_files import ERROR_FILE, first_recorded, write_error_file
 from cardcage.backend.launch.launcher import InProcessLauncher, Launcher, ScriptLauncher
+from cardcage.backend.launch.rendezvous import HOSTED_STORE, host_store, release_store
 from cardcage.backend.launch.watchdog import HEARTBEAT, Watch
 from cardcage.backend.launch.workers import (
     SpawnLauncher,
@@ -138,6 +142,7 @@ __all__ = [
     "ERROR_FILE",
     "FLAG_NAMES",
     "HEARTBEAT",
+    "HOSTED_STORE",
     "INTERACTIVE_SLURM_JOB_NAMES",
     "REQUEUED_EXIT_STATUS",
     "REQUEUE_SIGNAL",
@@ -189,6 +194,7 @@ __all__ = [
     "gpu_memory_metrics",
     "holds_cpu_tensor",
     "hookimpl",
+    "host_store",
     "import_engine",
     "init_timeout",
     "launched_processes_per_node",
@@ -203,6 +209,7 @@ __all__ = [
     "reduce_replica_outputs",
     "register_plugin",
     "registry",
+    "release_store",
     "replica_shares",
     "run_started_worker",
     "run_worker",

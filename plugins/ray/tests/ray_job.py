@@ -5,13 +5,16 @@ MODE: ``plain`` (2 ranks of batch 8, and a plain loop of batch 16 in this proces
 compare), ``straight`` and ``once`` (2 epochs of Adam with dropout, a step checkpoint every
 2 steps, ``max_restarts=1``; under ``once`` rank 1 SIGKILLs its own actor at global step 7 of
 8, on the first attempt only), ``always`` (it does so at every attempt), ``raise`` (rank 1
-raises in its third step), ``stuck`` (rank 1 sleeps in its third step) and ``cage`` (an own
-loop that reports where each rank ran). Options: ``nodes=N`` (``num_nodes``, 2), ``procs=N``
-(``num_processes``, 1).
+raises in its third step), ``stuck`` (rank 1 sleeps in its third step), ``sockets`` (rank 0
+writes ``sockets.json``: ``MASTER_ADDR``, ``MASTER_PORT`` and the addresses it listens on at
+that port) and ``cage`` (an own loop that reports where each rank ran). Options: ``nodes=N``
+(``num_nodes``, 2), ``procs=N`` (``num_processes``, 1).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -64,6 +67,12 @@ class Net(cardcage.Module):
             if mode == "always" or not marker.exists():
                 marker.touch()
                 os.kill(os.getpid(), signal.SIGKILL)
+        if rank() == 0 and step == 1 and mode == "sockets":
+            # Where this rank (it hosts the process group's store) listens on MASTER_PORT.
+            port = int(os.environ["MASTER_PORT"])
+            found = {"master_addr": os.environ["MASTER_ADDR"], "port": port}
+            found["store"] = [host for host, p in listening(os.getpid()) if p == port]
+            Path(self.out, "sockets.json").write_text(json.dumps(found))
         if rank() == 1 and step == 3 and mode == "raise":
             raise RuntimeError("rank 1 gives up")
         if rank() == 1 and step == 3 and mode == "stuck":
@@ -75,6 +84,31 @@ class Net(cardcage.Module):
         if self.mode == "plain":
             return torch.optim.SGD(self.parameters(), lr=0.1)
         return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def _address(hex_address: str) -> str:
+    raw = bytes.fromhex(hex_address)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))  # /proc/net/tcp: host byte order
+    return str(ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))))
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket process ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                host, port = fields[1].split(":")
+                found.append((_address(host), int(port, 16)))
+    return found
 
 
 def weights(model: torch.nn.Module) -> list[float]:

@@ -61,6 +61,30 @@ def test_a_local_ray_trains_like_one_process_and_is_stopped(tmp_path: Path) -> N
     assert got["children"] == [], "Ray's processes outlived fit"
 
 
+def test_a_single_node_store_listens_on_loopback_only(tmp_path: Path) -> None:
+    """A job of one node (a local Ray, 2 ranks): rank 0's actor hosts the process group's
+    store on 127.0.0.1 alone, and the ranks dial 127.0.0.1 (before: a port picked with
+    ``bind(("", 0))`` and torch's store listening on every interface)."""
+    harness = Harness(tmp_path)
+    try:
+        job = run(harness, tmp_path / "out", "ray", "sockets", "nodes=1", "procs=2", RAY_ADDRESS="")
+        job.check()
+        harness.assert_no_leftovers()
+    finally:
+        harness.cleanup()
+    found = json.loads((tmp_path / "out" / "sockets.json").read_text())
+    assert found["master_addr"] == "127.0.0.1", found
+    assert found["store"] == ["127.0.0.1"], found
+
+
+def test_the_store_address_is_loopback_for_one_node_only() -> None:
+    """Several nodes: the store listens on rank 0's node address, not on every interface."""
+    from cardcage_ray import store_address
+
+    assert store_address(1, "10.1.2.3") == "127.0.0.1"
+    assert store_address(2, "10.1.2.3") == "10.1.2.3"
+
+
 @pytest.mark.parametrize("backend", ["ray", "ray_fsdp"])
 def test_two_nodes_train_like_one_process(tmp_path: Path, backend: str) -> None:
     harness = Harness(tmp_path)
