@@ -22,6 +22,11 @@ Options: ``--backend`` and ``--num-processes`` (the Cage's ``distributed_backend
   ``launch`` raised if it did;
 - ``fail``: rank 1 raises at its second step;
 - ``stuck``: rank 1 sleeps inside the function after its first step;
+- ``lone`` (``--collective NAME --lone-rank R [--late-s S]``): rank R alone calls the
+  Cage's ``NAME`` (``barrier``, ``all_reduce``, ``all_gather``, ``broadcast`` from rank
+  1 - R, ``save``) and the other ranks return; with ``--late-s`` every rank calls it, the
+  others S seconds after rank R (late, not missing). Rank R writes
+  ``OUT/lone-rank<R>.json`` (its pid, the time) just before the call;
 - ``restart``: Adam over a shuffled loader for 3 epochs, saving ``OUT/resume.ckpt`` after
   each; on the first attempt rank 1 leaves with ``os._exit(1)`` at the start of the second
   epoch; an attempt that finds the file resumes from it (the loader's ``set_epoch`` at the
@@ -441,6 +446,27 @@ def stuck(cage: cardcage.Cage, out: str) -> Any:
     return {"rank": cage.global_rank}
 
 
+def lone(cage: cardcage.Cage, out: str, name: str, lone_rank: int, late_s: float) -> Any:
+    model = cage.setup(make_model())
+    calls: dict[str, Callable[[], Any]] = {
+        "barrier": cage.barrier,
+        "all_reduce": lambda: cage.all_reduce(torch.ones(2)),
+        "all_gather": lambda: cage.all_gather(torch.ones(2)),
+        # from the other rank: one from this rank would meet the other's hand-back of
+        # its value (a broadcast from rank 0 too) and end, wrongly, without waiting
+        "broadcast": lambda: cage.broadcast({"from": cage.global_rank}, src=1 - lone_rank),
+        "save": lambda: cage.save(Path(out, "lone.ckpt"), {"model": model, "step": 1}),
+    }
+    cage.barrier()  # every rank set up: the one call below starts together
+    if cage.global_rank == lone_rank:
+        write(out, f"lone-rank{lone_rank}.json", {"time": time.time(), "pid": os.getpid()})
+        calls[name]()
+    elif late_s:
+        time.sleep(late_s)
+        calls[name]()
+    return {"rank": cage.global_rank}
+
+
 def restart(cage: cardcage.Cage, out: str) -> dict[str, Any]:
     size = GLOBAL_BATCH // cage.world_size
     path = Path(out, "resume.ckpt")
@@ -487,6 +513,9 @@ def main() -> int:
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--precision", default="32")
+    parser.add_argument("--collective", default="barrier")
+    parser.add_argument("--lone-rank", type=int, default=0)
+    parser.add_argument("--late-s", type=float, default=0.0)
     options = parser.parse_args()
     precision = int(options.precision) if options.precision.isdigit() else options.precision
     flags: dict[str, Any] = {"max_restarts": options.max_restarts, "precision": precision}
@@ -505,6 +534,9 @@ def main() -> int:
     try:
         if options.job == "sections":
             value = cage.launch(run_sections, out, options.sections.split(","))
+        elif options.job == "lone":
+            args = (options.collective, options.lone_rank, options.late_s)
+            value = cage.launch(lone, out, *args)
         else:
             value = cage.launch(JOBS[options.job], out)
     except Exception as error:

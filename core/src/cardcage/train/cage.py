@@ -29,6 +29,13 @@ from cardcage.backend.accelerator import Accelerator
 from cardcage.backend.launch.error_files import record_fit_finished
 from cardcage.backend.launch.launcher import InProcessLauncher
 from cardcage.backend.launch.restarts import RESTARTS, restart_count, this_run
+from cardcage.backend.launch.watchdog import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BARRIER,
+    BROADCAST,
+    RETURNED,
+)
 from cardcage.backend.launch.watchdog import attach as attach_heart
 from cardcage.backend.selection_types import Selection
 from cardcage.backend.strategy.strategy import Strategy, move_to
@@ -293,26 +300,30 @@ class Cage:
 
     def barrier(self, name: str | None = None) -> None:
         """Wait until every process reaches this point."""
-        self._here.beat()
-        self._here.strategy.barrier(name)
+        here = self._here
+        with here.joining(BARRIER):
+            here.strategy.barrier(name)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """``tensor`` summed (``op="sum"``) or averaged (``"mean"``) over every process."""
         if op not in ("mean", "sum"):
             raise MisconfigurationError(f"cage.all_reduce(op={op!r}): use 'mean' or 'sum'.")
-        self._here.beat()
-        return self._here.strategy.reduce(tensor, op)
+        here = self._here
+        with here.joining(ALL_REDUCE):
+            return here.strategy.reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every process's ``tensor`` (the same shape on each), stacked in rank order: shape
         ``(world_size, *tensor.shape)``."""
-        self._here.beat()
-        return self._here.strategy.all_gather(tensor)
+        here = self._here
+        with here.joining(ALL_GATHER):
+            return here.strategy.all_gather(tensor)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` as process ``src`` holds it (any picklable object)."""
-        self._here.beat()
-        return self._here.strategy.broadcast(obj, src)
+        here = self._here
+        with here.joining(BROADCAST):
+            return here.strategy.broadcast(obj, src)
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         """Write ``state`` to one file; every process calls it, global rank 0 writes.
@@ -423,8 +434,8 @@ class CageJob:
             strategy.own_loop = True
             strategy.setup_environment()
             value = self.fn(cage, *self.args, **self.kwargs)
-            process.beat()
-            self.result = strategy.broadcast(value, 0) if strategy.world_size > 1 else value
+            with process.joining(RETURNED):  # a rank still inside a collective is named
+                self.result = strategy.broadcast(value, 0) if strategy.world_size > 1 else value
         finally:
             cage._process = None
             try:

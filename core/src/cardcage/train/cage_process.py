@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cardcage.backend.launch.watchdog import Heart
+from cardcage.backend.launch.watchdog import BACKWARD, SAVE, Heart
 from cardcage.backend.strategy.precision import Precision
 from cardcage.backend.strategy.step_runner import CALL, runner_in, trained_module
 from cardcage.backend.strategy.strategy import Strategy
@@ -51,6 +51,8 @@ class CageProcess:
         #: other object takes their ids).
         self.parameters: dict[int, torch.Tensor] = {}
         self.loaders = 0
+        #: How deep inside ``no_backward_sync`` (a backward there does not communicate).
+        self.unsynced = 0
         self.forwarded = False
         self.checked = False
         precision, kind = self.strategy.precision, type(self.strategy)
@@ -63,6 +65,21 @@ class CageProcess:
     def beat(self) -> None:
         if self.heart is not None:
             self.heart.beat()
+
+    @contextlib.contextmanager
+    def joining(self, kind: int) -> Iterator[None]:
+        """Beat, and mark this rank as inside a Cage collective of ``kind`` (the watcher's
+        call slot) until it returns: a collective only some ranks call is named at once."""
+        heart = self.heart
+        if heart is None:
+            yield
+            return
+        heart.beat()
+        heart.enter(kind)
+        try:
+            yield
+        finally:
+            heart.leave()
 
     # -- setting up ---------------------------------------------------------------------------
 
@@ -179,10 +196,18 @@ class CageProcess:
         if not self.checked:
             self.check_first_backward()
         self.beat()  # before it communicates: a rank that never gets here stays behind
-        if self.plain_backward:
-            loss.backward()  # type: ignore[no-untyped-call]
-        else:
-            self.strategy.backward(loss)
+        # It synchronizes the gradients: marked as a Cage collective (the call slot).
+        heart = self.heart if not self.unsynced and self.strategy.world_size > 1 else None
+        if heart is not None:
+            heart.enter(BACKWARD)
+        try:
+            if self.plain_backward:
+                loss.backward()  # type: ignore[no-untyped-call]
+            else:
+                self.strategy.backward(loss)
+        finally:
+            if heart is not None:
+                heart.leave()
         self.beat()
 
     def check_first_backward(self) -> None:
@@ -233,7 +258,11 @@ class CageProcess:
                 stack.enter_context(strategy.skip_gradient_sync())
             finally:
                 strategy.parallel = previous
-            yield
+            self.unsynced += 1
+            try:
+                yield
+            finally:
+                self.unsynced -= 1
 
     def clip_gradients(
         self,
@@ -297,6 +326,10 @@ class CageProcess:
         return groups, others
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        with self.joining(SAVE):
+            self.save_here(path, state)
+
+    def save_here(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         groups, others = self.split(state)
         payload: dict[str, Any] = {key: state[key] for key in others}
         for trained, module_key, opt_keys in groups.values():

@@ -19,7 +19,17 @@ shared file the launcher made (:data:`HEARTBEAT` names its folder):
   :class:`~cardcage.errors.RankFailedError` naming the first of them;
 - a rank that is stopped (SIGSTOP, state ``T``) is the one the others wait for, whatever
   its count and whichever phase of the fit it was stopped in (its setup, after the loop):
-  the watcher reads its state from ``/proc``.
+  the watcher reads its state from ``/proc``;
+- a Cage collective that only some ranks call (``if cage.global_rank == 0:
+  cage.barrier()``) would leave them waiting until ``CARDCAGE_TIMEOUT`` and then blame one
+  of them. Each rank marks which Cage collective it is in (:meth:`Heart.enter`, one more
+  store, made by the Cage's collectives only, never by the Trainer's step): its sequence
+  number and kind, negated once it returned. When, for :data:`JOIN_S` seconds, no rank's
+  mark changed while some ranks are inside one collective and another rank is inside a
+  different one, or has returned from the launched function, the job fails at once with a
+  :class:`~cardcage.errors.RankFailedError` naming the collective by its Cage method, the
+  ranks that called it and the rank that did not (with what it is doing, and its stack). A
+  rank in no Cage collective is not judged: it may only be late.
 
 The process group's own timeout is set a little beyond ``CARDCAGE_TIMEOUT``
 (:func:`collective_timeout`), so that the watcher, which knows who is behind, speaks first.
@@ -49,7 +59,23 @@ STACK_SIGNAL = signal.SIGUSR2
 FINISHED = 1 << 62
 #: How much later than ``CARDCAGE_TIMEOUT`` the process group gives up by itself.
 MARGIN_S = 30.0
-_SLOT = 2  # int64s per rank: its count, its pid
+#: How long the ranks must have sat in different Cage collectives before the job fails.
+JOIN_S = 3.0
+_SLOT = 3  # int64s per rank: its count, its pid, the Cage collective it is in (or was last)
+
+#: The kinds of Cage call a rank marks (the call slot holds ``sequence * 16 + kind`` while
+#: the rank is inside it, and minus that once it returned; 0 before its first).
+BARRIER, ALL_REDUCE, ALL_GATHER, BROADCAST, SAVE, BACKWARD, RETURNED = range(1, 8)
+#: What the messages call each kind: the Cage's method.
+CALLS = {
+    BARRIER: "cage.barrier()",
+    ALL_REDUCE: "cage.all_reduce()",
+    ALL_GATHER: "cage.all_gather()",
+    BROADCAST: "cage.broadcast()",
+    SAVE: "cage.save()",
+    BACKWARD: "cage.backward()",
+    RETURNED: "the hand-back of the launched function's value",
+}
 
 
 def collective_timeout() -> timedelta:
@@ -66,20 +92,33 @@ def _view(path: Path) -> tuple[mmap.mmap, memoryview]:
 class Heart:
     """A rank's side: its count in the shared file, its stack on :data:`STACK_SIGNAL`."""
 
-    __slots__ = ("count", "index", "mapped", "stacks", "view")
+    __slots__ = ("call", "calls", "count", "index", "mapped", "stacks", "view")
 
     def __init__(self, folder: Path, rank: int):
         self.mapped, self.view = _view(folder / "beats")
         self.index = rank * _SLOT
         self.count = 0
+        self.calls = 0  # the Cage collectives this rank entered in this fit
+        self.call = 0
         self.view[self.index] = 0  # in this fit, not yet stepped (an earlier fit finished)
         self.view[self.index + 1] = os.getpid()
+        self.view[self.index + 2] = 0
         self.stacks: IO[str] = open(folder / f"stack-{rank}.txt", "a")  # noqa: SIM115
         faulthandler.register(STACK_SIGNAL, file=self.stacks, all_threads=True)
 
     def beat(self) -> None:
         self.count += 1
         self.view[self.index] = self.count
+
+    def enter(self, kind: int) -> None:
+        """This rank is inside a Cage collective of ``kind`` (its next one)."""
+        self.calls += 1
+        self.call = self.calls * 16 + kind
+        self.view[self.index + 2] = self.call
+
+    def leave(self) -> None:
+        """This rank returned from the Cage collective it entered last."""
+        self.view[self.index + 2] = -self.call
 
     def finish(self) -> None:
         """This rank left the loop: nobody waits for it any more."""
@@ -88,6 +127,7 @@ class Heart:
     def close(self) -> None:
         """This rank's fit ended: no more counts, no more stacks."""
         self.finish()
+        self.view[self.index + 2] = 0
         faulthandler.unregister(STACK_SIGNAL)
         self.stacks.close()
         self.view.release()
@@ -123,9 +163,17 @@ class Watch:
         at once for a rank that is stopped."""
         for rank in range(self.world_size):
             self.view[rank * _SLOT] = 0
+            self.view[rank * _SLOT + 2] = 0
         self.last = self.counts()
         self.moved_at = time.monotonic()
         self.warned = False
+        self.last_calls = self.calls()
+        self.calls_at = self.moved_at
+        #: When each rank's call slot was first seen holding its present value.
+        self.entered = [self.moved_at] * self.world_size
+
+    def calls(self) -> list[int]:
+        return [int(self.view[r * _SLOT + 2]) for r in range(self.world_size)]
 
     def counts(self) -> list[int]:
         return [int(self.view[r * _SLOT]) for r in range(self.world_size)]
@@ -150,7 +198,19 @@ class Watch:
 
     def check(self, now: float) -> tuple[int, str, str] | None:
         """``(rank, reason, stack)`` once the job has waited ``CARDCAGE_TIMEOUT`` for that
-        rank; warns on stderr after ``CARDCAGE_STUCK_WARN``. ``None`` while all is well."""
+        rank; warns on stderr after ``CARDCAGE_STUCK_WARN``. ``None`` while all is well.
+        Ranks in different Cage collectives for :data:`JOIN_S` fail the job at once
+        (:meth:`split`)."""
+        calls = self.calls()
+        if calls != self.last_calls:
+            for rank, (was, call) in enumerate(zip(self.last_calls, calls, strict=True)):
+                if was != call:
+                    self.entered[rank] = now
+            self.last_calls, self.calls_at = calls, now
+        elif now - self.calls_at >= JOIN_S:
+            split = self.split(calls, now)
+            if split is not None:
+                return split
         counts = self.counts()
         if counts != self.last:
             self.last, self.moved_at, self.warned = counts, now, False
@@ -196,6 +256,59 @@ class Watch:
                 lines.append(self.stack(rank).rstrip() or "(it did not answer)")
             print("\n".join(lines), file=sys.stderr, flush=True)
         return None
+
+    def split(self, calls: list[int], now: float) -> tuple[int, str, str] | None:
+        """``(rank, reason, stacks)`` when ranks sit in different Cage collectives: the
+        collective most ranks are in (the first entered, on a tie) is the one the others
+        did not call; ``None`` when every rank inside one is inside the same kind."""
+        inside = {r: (c >> 4, c & 15) for r, c in enumerate(calls) if c > 0}
+        groups: dict[int, list[int]] = {}
+        for rank, (_, kind) in inside.items():
+            if kind != RETURNED:
+                groups.setdefault(kind, []).append(rank)
+        if not groups or (len(groups) == 1 and len(inside) == sum(map(len, groups.values()))):
+            return None
+        kind = max(
+            groups,
+            key=lambda k: (
+                len(groups[k]),
+                -min(self.entered[r] for r in groups[k]),
+                -min(groups[k]),
+            ),
+        )
+        callers = groups[kind]
+        missing = [r for r in inside if r not in callers]
+        name = CALLS[kind]
+        numbers = "/".join(f"#{n}" for n in sorted({inside[r][0] for r in callers}))
+        waited = now - min(self.entered[r] for r in callers)
+
+        def doing(rank: int) -> str:
+            number, other = inside[rank]
+            if other == RETURNED:
+                return (
+                    f"rank {rank} has returned from the function that cage.launch runs "
+                    "(it waits to hand back its value)"
+                )
+            return f"rank {rank} is in {CALLS[other]} (its Cage collective #{number})"
+
+        late = [r for r in range(self.world_size) if r not in inside and r not in missing]
+        reason = (
+            f"did not call {name}: {_ranks(callers)} called it "
+            f"({'its' if len(callers) == 1 else 'their'} Cage collective {numbers}) "
+            f"and {'has' if len(callers) == 1 else 'have'} waited in it for {waited:.0f}s, "
+            f"while {'; '.join(doing(r) for r in missing)}"
+            + (f" ({_ranks(late)}: in no Cage collective)" if late else "")
+            + ". Every rank must call the Cage's collectives (barrier, all_reduce, "
+            "all_gather, broadcast, save, and backward where it synchronizes gradients) "
+            "the same number of times, in the same order: one that only some ranks call "
+            f"waits for the others until {TIMEOUT} ({self.fail_after:g}s)"
+        )
+        blamed = missing[0]
+        details = [self.stack(blamed).rstrip() or "(it did not answer)"]
+        for rank in callers:
+            details.append(f"--- stack of rank {rank} (in {name}) ---")
+            details.append(self.stack(rank).rstrip() or "(it did not answer)")
+        return blamed, reason, "\n".join(details)
 
     def stack(self, rank: int, wait_s: float = 2.0) -> str:
         """The Python stacks of ``rank``'s threads, as it dumps them on request (a stopped
