@@ -37,6 +37,7 @@ from cardcage.sdk import (
     Launcher,
     MisconfigurationError,
     RankFailedError,
+    Reaper,
     Resolution,
     SelectionContext,
     ShardedAccelerator,
@@ -47,6 +48,7 @@ from cardcage.sdk import (
     hookimpl,
     host_store,
     init_timeout,
+    make_temp_folder,
     release_store,
     run_worker,
 )
@@ -63,6 +65,11 @@ PASSED_PREFIXES = ("CARDCAGE_", "PL_GLOBAL_SEED")
 SETTLE_S = 1.0
 #: How often the launcher looks at the ranks' progress while it waits for them.
 WATCH_S = 1.0
+#: A local Ray's folder: ``<RAY_TMPDIR or the temporary folder>/cardcage-ray-<random>``.
+SESSION_PREFIX = "cardcage-ray-"
+#: The longest path that folder may have: Ray's sockets go 66 characters deeper, and a
+#: Unix socket's path is limited to 107.
+MAX_TEMP_DIR = 41
 
 
 # -- the cluster ----------------------------------------------------------------------------
@@ -101,22 +108,36 @@ def ray_for_the_job(backend: str, num_nodes: int, num_cpus: int) -> Iterator[Non
                 "--head` on one machine, `ray start --address=HEAD:6379` on the others) and "
                 "set RAY_ADDRESS, or set num_nodes=1."
             )
-        # Unix socket paths must stay under 108 characters: a deep TMPDIR (pytest's) breaks
-        # Ray's sockets, so its folder falls back to /tmp.
-        folder = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
-        if len(folder) > 40:
-            folder = "/tmp"
-        ray.init(
-            address="local",  # a Ray of its own, even where this machine runs a cluster
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            _temp_dir=os.path.join(folder, "ray"),
-        )
+        # Ray's session folder and every process of this Ray (its raylet, workers and
+        # agents, which start in sessions of their own) go with the job, even when this
+        # process is SIGKILLed: a reaper holds the folder's name and kills what carries it.
+        # Unix socket paths must stay under 108 characters (session_<date>_<pid>/sockets/
+        # plasma_store under the folder): a deep TMPDIR (pytest's) falls back to /tmp.
+        root = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+        if len(root) + len(SESSION_PREFIX) + 9 > MAX_TEMP_DIR:
+            root = "/tmp"
+        folder = make_temp_folder(SESSION_PREFIX, root)
+        reaper = Reaper(folder)
+        try:
+            with reaper.marking():
+                ray.init(
+                    address="local",  # a Ray of its own, even where this machine runs one
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    log_to_driver=True,
+                    _temp_dir=str(folder),
+                )
+            try:
+                yield
+            finally:
+                ray.shutdown()
+        finally:
+            reaper.finish()  # what outlived ray.shutdown() is killed, the folder removed
+        return
     try:
         yield
     finally:
-        ray.shutdown()  # a local Ray's processes stop with it; a cluster is only left
+        ray.shutdown()  # a cluster's processes are only left
 
 
 # -- in each actor --------------------------------------------------------------------------

@@ -43,7 +43,10 @@ Process creation
     (the stuck-rank watcher, for a launcher that waits on its workers its own way: Ray's);
     :func:`host_store`, :func:`release_store` and :data:`HOSTED_STORE` (the rendezvous
     store hosted in one process on one address only, which the ranks dial when
-    ``CARDCAGE_HOSTED_STORE=1``: a rank that hosts it itself, as Ray's rank 0).
+    ``CARDCAGE_HOSTED_STORE=1``: a rank that hosts it itself, as Ray's rank 0);
+    :class:`Reaper` (a job's own service, a local Ray: every process it starts killed and
+    its folder removed when the caller ends, even by SIGKILL) and :func:`make_temp_folder`
+    (a private folder with a short path, removed at a later launch once its owner is gone).
 Checkpoints
     :func:`save_checkpoint_file` (atomic ``torch.save``; a failed write raises
     ``cardcage.CheckpointError``), :func:`load_checkpoint_file` (``weights_only=True``, checks
@@ -94,7 +97,9 @@ from cardcage.backend.engines import (
 )
 from cardcage.backend.launch.error_files import ERROR_FILE, first_recorded, write_error_file
 from cardcage.backend.launch.launcher import InProcessLauncher, Launcher, ScriptLauncher
+from cardcage.backend.launch.reaper import Reaper
 from cardcage.backend.launch.rendezvous import HOSTED_STORE, host_store, release_store
+from cardcage.backend.launch.tempdirs import make_short as make_temp_folder
 from cardcage.backend.launch.watchdog import HEARTBEAT, Watch
 from cardcage.backend.launch.workers import (
     SpawnLauncher,
@@ -163,6 +168,7 @@ __all__ = [
     "Precision",
     "ProcessPlace",
     "RankFailedError",
+    "Reaper",
     "Registry",
     "Resolution",
     "Rule",
@@ -200,6 +206,7 @@ __all__ = [
     "launched_processes_per_node",
     "leave",
     "load_checkpoint_file",
+    "make_temp_folder",
     "matching_torch_release",
     "modules_by_value",
     "move_to",

@@ -97,3 +97,22 @@ def test_a_launch_removes_the_dead_launchers_folders_of_every_kind(tmp_path: Pat
         folder.mkdir()
     made = tempdirs.make(PREFIX, root=tmp_path)
     assert sorted(tmp_path.iterdir()) == sorted([kept, made])
+
+
+def test_a_short_folder_records_its_launcher_and_is_removed_once_it_is_gone(
+    tmp_path: Path,
+) -> None:
+    """``make_short`` (a path Ray's sockets go under): ``<prefix><random>``, its owner in a
+    file inside it; kept while that owner lives, removed by the next launch once it is gone."""
+    prefix = "cardcage-ray-"
+    folder = tempdirs.make_short(prefix, root=tmp_path)
+    assert len(folder.name) == len(prefix) + 8  # mkdtemp's random part: nothing else
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert (folder / tempdirs.OWNER_FILE).read_text() == owners.owner()
+    dead = tmp_path / f"{prefix}deadbeef"
+    dead.mkdir()
+    (dead / tempdirs.OWNER_FILE).write_text(f"{ended_process()}.1@{owners.this_host()}")
+    unknown = tmp_path / f"{prefix}noowner1"  # no owner file: never touched
+    unknown.mkdir()
+    assert tempdirs.remove_stale(prefix, root=tmp_path) == [dead]
+    assert folder.is_dir() and unknown.is_dir()

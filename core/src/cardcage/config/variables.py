@@ -78,6 +78,9 @@ INTERNAL: tuple[str, ...] = (
     # the pid of the training process whose rank variables these are
     # (cardcage.environments.inherited)
     "CARDCAGE_RANK_PID",
+    # marks the processes of a job's own service (a local Ray) for its reaper
+    # (cardcage.backend.launch.reaper)
+    "CARDCAGE_REAPED",
     "CARDCAGE_RUN_ID",  # the fit a started process belongs to (cardcage.backend.launch.restarts)
     "CARDCAGE_RESTARTS",  # the restart a started process is on (cardcage.backend.launch.restarts)
     "CARDCAGE_SUBMIT_RUN",  # the run a job submitted by cardcage-submit belongs to

@@ -18,6 +18,11 @@ kind, whose launcher is gone (:func:`remove_stale`): never one whose launcher is
 one that another host made (a temporary folder shared between machines), nor one it cannot
 read the owner of from the name.
 
+Where the path must stay short (Ray's Unix sockets go under its session folder, and a
+socket's path is limited to 107 characters), :func:`make_short` names the folder
+``<prefix><random>`` and records the owner in a file inside it (:data:`OWNER_FILE`), which
+:func:`remove_stale` reads the same way.
+
 Whose a folder is, and whether that process has ended: :mod:`cardcage.config.owners`.
 """
 
@@ -31,13 +36,15 @@ from pathlib import Path
 
 from cardcage.config.owners import OWNER, ended, owner
 
-__all__ = ["FAMILY", "launcher_of", "make", "remove_stale"]
+__all__ = ["FAMILY", "OWNER_FILE", "launcher_of", "make", "make_short", "remove_stale"]
 
 #: The start of every kind of folder: ``cardcage-<kind>-`` (workers, errors, checkpoints).
 FAMILY = "cardcage-"
 #: A folder's name after its prefix: the rest of its kind (``<kind>-`` after
 #: :data:`FAMILY`), the owner, then ``-`` and mkdtemp's random part.
 _FOLDER = re.compile(r"(?:[a-z]+-)*" + OWNER + r"-[A-Za-z0-9_]+")
+#: The file inside a :func:`make_short` folder that names its owner (``<pid>.<start>@<host>``).
+OWNER_FILE = ".cardcage-owner"
 
 
 def make(prefix: str, root: str | os.PathLike[str] | None = None) -> Path:
@@ -49,6 +56,26 @@ def make(prefix: str, root: str | os.PathLike[str] | None = None) -> Path:
     folder = Path(tempfile.mkdtemp(prefix=f"{prefix}{owner()}-", dir=root))
     os.chmod(folder, 0o700)  # mkdtemp's mode, said here: the folder holds the user's job
     return folder
+
+
+def make_short(prefix: str, root: str | os.PathLike[str] | None = None) -> Path:
+    """A new private folder ``<prefix><random>`` under ``root`` (the temporary folder by
+    default), its owner in :data:`OWNER_FILE` inside it, after removing those of dead
+    launchers there (as :func:`make` does): for a path that must stay short."""
+    remove_stale(FAMILY if prefix.startswith(FAMILY) else prefix, root)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    os.chmod(folder, 0o700)
+    (folder / OWNER_FILE).write_text(owner())
+    return folder
+
+
+def _recorded_owner(path: Path) -> tuple[int, str, str] | None:
+    """``(pid, start, host)`` that a :func:`make_short` folder records; ``None`` without it."""
+    try:
+        found = re.fullmatch(OWNER, (path / OWNER_FILE).read_text().strip())
+    except OSError:
+        return None
+    return None if found is None else (int(found["pid"]), found["start"], found["host"])
 
 
 def launcher_of(name: str, prefix: str) -> tuple[int, str, str] | None:
@@ -71,6 +98,8 @@ def remove_stale(prefix: str, root: str | os.PathLike[str] | None = None) -> lis
         return []
     for path in candidates:
         launcher = launcher_of(path.name, prefix)
+        if launcher is None and not path.is_symlink() and path.is_dir():
+            launcher = _recorded_owner(path)
         if launcher is None or not ended(*launcher):
             continue  # not one of ours, another host's, or its launcher is (or may be) alive
         if not path.is_symlink() and path.is_dir():
