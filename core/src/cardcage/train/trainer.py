@@ -409,6 +409,12 @@ class Trainer:
         # Only rank 0 writes the run's files: the other ranks' trainer.logger writes nothing
         # (a user's self.trainer.logger.experiment.add_image on every rank made one
         # TensorBoard events file per rank).
+        if self.logger is not None and accelerator.world_size > 1:
+            # Rank 0 claimed the run's version; a rank started apart (relaunch, torchrun)
+            # picked the next free one: it goes on with rank 0's instead.
+            state = accelerator.broadcast(self.logger.run_state())
+            if accelerator.global_rank != 0 and state is not None:
+                self.logger.continue_run(state)
         self.logger = for_rank(self.logger, accelerator.global_rank)
         self.model.__dict__[TRAINER_ATTRIBUTE] = self  # the model's self.log, self.trainer
         user = accelerator.unwrapped_model(self)
