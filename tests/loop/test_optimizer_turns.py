@@ -255,9 +255,13 @@ def test_ddp_finds_the_parameters_a_turn_leaves_unused(find: bool | None) -> Non
     """Under ddp_spawn, each optimizer's turn leaves the other's parameters without
     gradients: DistributedDataParallel must look for them (Lightning 1.0 set
     find_unused_parameters=True). By default it does, and two ranks on the same data end
-    bit-equal to the hand-written loop; find_unused_parameters=False reaches DDP, whose
-    error then names the flag (before, every optimizer_idx model failed this way)."""
-    model = Gan()
+    bit-equal to the plain loop with turns; find_unused_parameters=False reaches DDP, whose
+    error then names the flag (before, every optimizer_idx model failed this way). The
+    model is the kit's (spawned workers import it by name; a class of this test module is
+    not importable from them)."""
+    from cardcage.testing import models, reference
+
+    model = models.TurnsModel("two")
     trainer = cardcage.Trainer(
         distributed_backend="ddp_spawn",
         num_processes=2,
@@ -268,12 +272,11 @@ def test_ddp_finds_the_parameters_a_turn_leaves_unused(find: bool | None) -> Non
     )
     if find is False:
         with pytest.raises(Exception, match="find_unused_parameters"):
-            trainer.fit(model, DataLoader(_data(), batch_size=BATCH))
+            trainer.fit(model, models.loader(models.SAMPLES, 8))
         return
-    trainer.fit(model, DataLoader(_data(), batch_size=BATCH))
-    wanted = reference(list(DataLoader(_data(), batch_size=BATCH)), clip=0.05)
-    for name, value in wanted.state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), f"{name} differs"
+    trainer.fit(model, models.loader(models.SAMPLES, 8))
+    wanted = reference.weights("two", batch=8, world=1, epochs=1, clip=("norm", 0.05), turns=True)
+    assert models.flat(model) == wanted
 
 
 def test_find_unused_parameters_takes_a_bool_or_none() -> None:
