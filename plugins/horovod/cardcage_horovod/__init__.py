@@ -299,6 +299,8 @@ class HorovodAccelerator(Accelerator):
         with skip() if skip is not None else contextlib.nullcontext():
             self.precision.step(optimizer)
 
+    joins_uneven_batches = True  # on_epoch_end's hvd.join(): uneven loaders end, not hang
+
     def on_epoch_end(self, trainer: TrainerProtocol) -> None:
         """``hvd.join()``: ranks out of batches serve the others' allreduces with zeros
         instead of hanging; then all continue from the rank that trained the most."""

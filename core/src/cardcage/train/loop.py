@@ -354,7 +354,8 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
     batches = ahead if ahead is not None else loader
     if limit == 0:  # Lightning 1.0: limit_train_batches=0 runs no epoch (nor its hooks)
         max_epochs = 0
-    if accelerator.world_size > 1:  # a rank with more batches would wait in its extra steps
+    if accelerator.world_size > 1 and not accelerator.joins_uneven_batches:
+        # a rank with more batches would wait in its extra steps
         beat()  # here before the exchange: a rank still in its setup is the one named stuck
         agreement.agree_train_batches(
             accelerator, int(epoch_length) if epoch_length is not None else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -47,6 +47,10 @@ class Strategy:
     #: What the Trainer's steps run through: the module :meth:`setup_module` returned for
     #: the Trainer's model when it is not the model itself (a wrapper, a sharded copy).
     parallel: torch.nn.Module | None = None
+    #: Whether ranks whose train loaders give different numbers of batches may train
+    #: (Horovod's ``hvd.join()`` serves the ranks still training; see ``uneven_source``);
+    #: otherwise the loop refuses such loaders before the first step, naming each length.
+    joins_uneven_batches: ClassVar[bool] = False
 
     def __init__(self, selection: Selection):
         self.selection = selection
