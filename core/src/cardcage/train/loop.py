@@ -330,7 +330,7 @@ def _train(trainer: Trainer, accelerator: Strategy, beat: Callable[[], None] | N
         h is not None
         for h in (before_zero_grad, batch_start_cb, batch_start, batch_end_cb, batch_end, step_end)
     )
-    hooked = hooked or collect or accumulate > 1 or clip > 0 or turns is not None
+    hooked = hooked or collect or accumulate > 1 or clip > 0 or turns[0].index is not None
     skip, resume_rng, rng_after_fetch = trainer.resume_position()
     every = restarts.steps_between_checkpoints(flags)
     # NaN or infinite losses: terminate_on_nan checks each step (one sync a step); otherwise
@@ -564,7 +564,7 @@ def _hooked_step(
     batch_idx: int,
     micro: int,
     epoch_length: float | int | None,
-    turns: list[_Turn] | None,
+    turns: list[_Turn],
     backward: Callable[[torch.Tensor, int], Any],
     optimizer_step: Callable[[torch.optim.Optimizer], Any],
     stop: Callable[[torch.Tensor, int], None] | None,
@@ -586,8 +586,9 @@ def _hooked_step(
     ``_END_EPOCH`` when a batch-start hook returned -1 (Lightning 1.0: the epoch ends
     there).
 
-    Without ``turns`` the step runs once and every optimizer steps on its backward. With
-    ``turns`` (``training_step`` takes ``optimizer_idx``), each optimizer in order has its
+    With one turn of index None the step runs once and every optimizer steps on its
+    backward. With a turn per optimizer (``training_step`` takes ``optimizer_idx``), each in
+    order has its
     own turn, as in Lightning 1.0: the other optimizers' parameters are frozen while
     ``training_step(batch, batch_idx, optimizer_idx=i)`` and its backward run; on a stepping
     batch its gradients are then clipped and it steps before the next turn. The batch's
@@ -608,7 +609,7 @@ def _hooked_step(
             optimizer.zero_grad()
     outputs: list[Any] = []
     loss = torch.zeros(())
-    for turn in turns if turns is not None else (_Turn(None, optimizers, ()),):
+    for turn in turns:
         frozen = turn.freeze()
         kwargs = {} if turn.index is None else {"optimizer_idx": turn.index}
         try:
@@ -646,7 +647,7 @@ def _hooked_step(
             for optimizer in owned:
                 before_zero_grad(optimizer)
                 optimizer.zero_grad()
-    output = outputs if turns is not None else outputs[0]
+    output = outputs if turns[0].index is not None else outputs[0]
     return output, loss if final else loss.detach(), final
 
 
@@ -675,10 +676,11 @@ class _Turn:
 
 def _turns(
     model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], per_optimizer: bool
-) -> list[_Turn] | None:
-    """The turns of a model whose ``training_step`` takes ``optimizer_idx``; None: one step."""
+) -> list[_Turn]:
+    """A batch's turns: one per optimizer for a model whose ``training_step`` takes
+    ``optimizer_idx``; else one turn (index None) in which every optimizer steps."""
     if not per_optimizer:
-        return None
+        return [_Turn(None, optimizers, ())]
     parameters = list(model.parameters())
     turns = []
     for index, optimizer in enumerate(optimizers):
